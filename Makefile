@@ -1,0 +1,35 @@
+# Every target sets itself up: a local virtual environment in .venv, made if missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench docs lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m benchmarks demo
+
+bench: $(STAMP)
+	$(PY) -m benchmarks all
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+docs: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
+	$(VENV)/bin/mkdocs build --strict
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .ruff_cache

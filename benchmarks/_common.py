@@ -1,0 +1,151 @@
+"""Shared timing, result-writing and plotting helpers for the benchmark scripts.
+
+Every benchmark reports compile time separately from run time, takes the median of
+repeats, and writes `benchmarks/results/<name>-<platform>-<device>.json` (with the
+versions and machine it ran on) and a PNG plot beside it.
+"""
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def block(x):
+    return jax.block_until_ready(x)
+
+
+def time_compiled(
+    fn: Callable, *args, repeats: int = 7, min_time: float = 0.2, max_time: float = 30.0
+) -> dict[str, float]:
+    """Compile `jax.jit(fn)` on `args`, then time it.
+
+    Returns `{"compile_s": ..., "run_s": median, "run_min_s": ...}`. Repeats until both
+    `repeats` runs and `min_time` seconds are reached, stopping early past `max_time`.
+    """
+    jitted = jax.jit(fn)
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    block(compiled(*args))  # warm-up
+    times = []
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        block(compiled(*args))
+        times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - start
+        if (len(times) >= repeats and elapsed >= min_time) or elapsed > max_time:
+            break
+    return {
+        "compile_s": compile_s,
+        "run_s": statistics.median(times),
+        "run_min_s": min(times),
+        "repeats": len(times),
+    }
+
+
+def time_eager(fn: Callable, *args, repeats: int = 5) -> dict[str, float]:
+    """Time an un-jitted call: the first call (with any compilation) and the median of
+    `repeats` later calls."""
+    t0 = time.perf_counter()
+    block(fn(*args))
+    first_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return {"first_s": first_s, "run_s": statistics.median(times)}
+
+
+def memory_scratch_bytes(fn: Callable, *args) -> int | None:
+    """XLA's temporary (scratch) allocation for `jax.jit(fn)` on `args`, if reported."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    return int(analysis.temp_size_in_bytes)
+
+
+def machine() -> dict[str, Any]:
+    """The versions and machine a result came from."""
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("jax", "jaxlib", "diffrax", "equinox", "lineax", "diffrax_linearize"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    device = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": device.platform,
+        "device": device.device_kind,
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "versions": versions,
+    }
+
+
+def result_stem(name: str) -> str:
+    device = jax.devices()[0]
+    kind = "".join(c if c.isalnum() else "-" for c in device.device_kind.lower()).strip("-")
+    return f"{name}-{device.platform}-{kind or 'unknown'}"
+
+
+def write_results(name: str, rows: Sequence[dict], **extra) -> pathlib.Path:
+    """Write rows and the machine description to `benchmarks/results/`. Returns the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{result_stem(name)}.json"
+    payload = {"benchmark": name, "machine": machine(), **extra, "rows": list(rows)}
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    return path
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
+    """A Markdown table; `columns` is `(key, heading)` pairs. Times (keys ending in `_s`)
+    are formatted, missing values are a dash."""
+    head = "| " + " | ".join(h for _, h in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for row in rows:
+        cells = []
+        for key, _ in columns:
+            value = row.get(key)
+            if key.endswith("_s"):
+                cells.append(fmt_time(value))
+            elif isinstance(value, float):
+                cells.append(f"{value:.3g}")
+            else:
+                cells.append("—" if value is None else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_path(name: str) -> pathlib.Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return RESULTS / f"{result_stem(name)}.png"
