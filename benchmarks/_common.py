@@ -90,7 +90,7 @@ def machine() -> dict[str, Any]:
             versions[pkg] = None
     device = jax.devices()[0]
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "platform": device.platform,
         "device": device.device_kind,
         "device_count": jax.device_count(),

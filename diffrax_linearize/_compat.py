@@ -1,0 +1,78 @@
+"""Every use of JAX internals in this package, in one place.
+
+JAX's internals differ between the versions we support (0.10, 0.11, 0.12): a JAX upgrade
+should be a change to this file alone. Public `jax.extend` names are preferred where
+they exist.
+"""
+
+import jax
+import jax.extend.core as jex_core
+from jax.extend.core import primitives as _prims
+
+
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Var = jex_core.Var
+Primitive = jex_core.Primitive
+DropVar = jex_core.DropVar
+
+
+def prim(name: str) -> Primitive | None:
+    """The primitive `name_p` from `jax.extend.core.primitives`, or `None` where this JAX
+    version does not have it."""
+    return getattr(_prims, f"{name}_p", None)
+
+
+def bind_eqn(eqn: JaxprEqn, invals):
+    """Apply an equation's primitive to `invals`, as `jax.core.eval_jaxpr` does. Always
+    returns a list of outputs."""
+    # jax <= 0.4 returned `(subfuns, params)`; jax >= 0.5 returns `params` alone.
+    res = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict):
+        subfuns, bind_params = res
+    else:
+        subfuns, bind_params = (), res
+    ctx = getattr(eqn, "ctx", None)
+    if ctx is not None and hasattr(ctx, "manager"):
+        with ctx.manager:
+            out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    else:
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def used_inputs(jaxpr: Jaxpr, used_outputs) -> list[bool]:
+    """Which inputs of `jaxpr` the outputs selected by `used_outputs` depend on."""
+    from jax._src.interpreters import partial_eval as pe
+
+    _, used = pe.dce_jaxpr(jaxpr, list(used_outputs))
+    return used
+
+
+def eqn_as_jaxpr(eqn: JaxprEqn) -> Jaxpr:
+    """A jaxpr holding the single equation `eqn` (literal inputs made into variables)."""
+    # Fresh variables throughout: a variable may appear twice among the inputs.
+    invars = [Var(v.aval) for v in eqn.invars]
+    outvars = [Var(v.aval) for v in eqn.outvars]
+    new_eqn = eqn.replace(invars=invars, outvars=outvars)
+    return Jaxpr(
+        constvars=(),
+        invars=invars,
+        outvars=outvars,
+        eqns=[new_eqn],
+        effects=eqn.effects,
+    )
+
+
+def literal_value(x):
+    return x.val
+
+
+def is_literal(x) -> bool:
+    return isinstance(x, Literal)
+
+
+def float0():
+    return jax.dtypes.float0

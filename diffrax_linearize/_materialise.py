@@ -1,0 +1,481 @@
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import lineax as lx
+import numpy as np
+
+from . import _rules as _rules  # noqa: F401  (registers the structure rules)
+from ._compat import bind_eqn, prim
+from ._interpreter import Context, interpret, Lin
+from ._structure import Struct
+
+
+# ---- argument checking ----------------------------------------------------------------
+
+
+def _is_array_leaf(x) -> bool:
+    return isinstance(
+        x, jax.Array | np.ndarray | np.generic | float | int | complex
+    ) and not isinstance(x, bool)
+
+
+def _check_argnums(argnums, nargs: int, api: str) -> tuple[int, ...]:
+    single = isinstance(argnums, int)
+    nums = (argnums,) if single else tuple(argnums)
+    if not nums or not all(isinstance(i, int) for i in nums):
+        raise TypeError(
+            f"`{api}`: `argnums` must be an int or a non-empty tuple of ints, got {argnums!r}."
+        )
+    for i in nums:
+        if not -nargs <= i < nargs:
+            raise ValueError(
+                f"`{api}`: `argnums={argnums!r}` is out of range: `fn` was given {nargs} "
+                "positional argument(s)."
+            )
+    return tuple(i % nargs for i in nums)
+
+
+def _check_inputs(leaves, holomorphic: bool, api: str):
+    if not leaves:
+        raise TypeError(
+            f"`{api}`: the differentiated argument(s) hold no arrays. Pass arrays (or pytrees "
+            "of arrays) at the positions named by `argnums`."
+        )
+    for x in leaves:
+        if not _is_array_leaf(x):
+            raise TypeError(
+                f"`{api}`: every leaf of the differentiated argument(s) must be an array, got "
+                f"{type(x).__name__}. Move non-array data to another argument, or close over it."
+            )
+        dtype = jnp.result_type(x)
+        if holomorphic:
+            if not jnp.issubdtype(dtype, jnp.complexfloating):
+                raise TypeError(
+                    f"`{api}` with `holomorphic=True` requires complex inputs, got {dtype}."
+                )
+        elif not jnp.issubdtype(dtype, jnp.floating):
+            hint = (
+                " For holomorphic functions of complex inputs pass `holomorphic=True`."
+                if jnp.issubdtype(dtype, jnp.complexfloating)
+                else " Convert integer or boolean inputs to a floating dtype first."
+            )
+            raise TypeError(
+                f"`{api}` requires real floating-point inputs (as `jax.jacfwd` does), got "
+                f"{dtype}.{hint}"
+            )
+
+
+# ---- tracing and the compiled kernel --------------------------------------------------
+
+
+class _Spec:
+    """The static part of a materialisation: a jaxpr (compared by its text, so retracing
+    the same function does not recompile) and the options."""
+
+    def __init__(self, jaxpr, n_diff: int, mode: str, strict: bool, structured: bool):
+        self.jaxpr = jaxpr
+        self.n_diff = n_diff
+        self.mode = mode
+        self.strict = strict
+        self.structured = structured
+        self._key = (str(jaxpr), _callable_ids(jaxpr), n_diff, mode, strict, structured)
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Spec) and self._key == other._key
+
+
+def _callable_ids(jaxpr) -> tuple:
+    """Identities of the Python callables in the equations' parameters (custom derivative
+    rules), which the jaxpr's text does not show."""
+    ids = []
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            items = value if isinstance(value, tuple | list) else (value,)
+            for item in items:
+                if hasattr(item, "eqns"):
+                    ids.extend(_callable_ids(item))
+                elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+                    ids.extend(_callable_ids(item.jaxpr))
+                elif callable(item) and not isinstance(item, type):
+                    ids.append(id(item))
+    return tuple(ids)
+
+
+def _custom_vjp_as_jvp(eqn):
+    """A function equal to the `custom_vjp_call` equation, differentiable in forward mode:
+    its JVP is the dense Jacobian from the custom VJP rule (reverse mode), applied to the
+    tangents. `jax.jacfwd` fails on such functions; we do not."""
+
+    def primal(*xs):
+        return bind_eqn(eqn, xs)
+
+    @jax.custom_jvp
+    def fn(*xs):
+        return primal(*xs)
+
+    @fn.defjvp
+    def fn_jvp(xs, ts):
+        diff = [i for i, x in enumerate(xs) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+
+        def of_diff(*d):
+            full = list(xs)
+            for i, v in zip(diff, d):
+                full[i] = v
+            return primal(*full)
+
+        outs = primal(*xs)
+        jac = jax.jacrev(of_diff, argnums=tuple(range(len(diff))))(*[xs[i] for i in diff])
+        t_outs = []
+        for k, out in enumerate(outs):
+            t = jnp.zeros(jnp.shape(out), jnp.result_type(out))
+            for j, i in enumerate(diff):
+                ti = ts[i]
+                if ti.dtype == jax.dtypes.float0:
+                    continue
+                t = t + jnp.tensordot(jac[k][j], ti, axes=jnp.ndim(ti)).astype(t.dtype)
+            t_outs.append(t)
+        return outs, t_outs
+
+    return fn
+
+
+def _eval_forward_differentiable(jaxpr, consts, args):
+    """Evaluate `jaxpr`, replacing every `custom_vjp_call` (also inside `jit`) by a
+    forward-differentiable equivalent."""
+    env = {}
+    from ._interpreter import read_value
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        vals = [read_value(env, v) for v in eqn.invars]
+        if eqn.primitive is prim("custom_vjp_call"):
+            outs = _custom_vjp_as_jvp(eqn)(*vals)
+        elif eqn.primitive in (prim("jit"), prim("closed_call")) and _has_custom_vjp(
+            eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        ):
+            closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            outs = _eval_forward_differentiable(closed.jaxpr, closed.consts, vals)
+        else:
+            outs = bind_eqn(eqn, vals)
+        for v, out in zip(eqn.outvars, outs):
+            env[v] = out
+    return [read_value(env, v) for v in jaxpr.outvars]
+
+
+def _has_custom_vjp(closed) -> bool:
+    if closed is None:
+        return False
+    jaxpr = getattr(closed, "jaxpr", closed)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is prim("custom_vjp_call"):
+            return True
+        for value in eqn.params.values():
+            items = value if isinstance(value, tuple | list) else (value,)
+            if any(hasattr(item, "jaxpr") and _has_custom_vjp(item) for item in items):
+                return True
+    return False
+
+
+def _to_lin_outputs(outs, out_avals):
+    res = []
+    for x, aval in zip(outs, out_avals):
+        if isinstance(x, Lin):
+            res.append(x)
+        else:  # a constant output of a linear map is zero
+            res.append(Lin({}, aval.shape, aval.dtype))
+    return res
+
+
+def _structured_jacobian(spec: _Spec, consts, diff, rest):
+    """Returns `blocks[q][p]`: the block of output leaf `q` w.r.t. input leaf `p`, or
+    `None` for zero; plus the record of densified primitives."""
+    jaxpr = spec.jaxpr
+
+    def f(*d):
+        return _eval_forward_differentiable(jaxpr, consts, list(d) + list(rest))
+
+    _, f_jvp = jax.linearize(f, *diff)
+    out_avals = [v.aval for v in jaxpr.outvars]
+    in_shapes = [tuple(jnp.shape(x)) for x in diff]
+    mode = spec.mode
+    if mode == "auto":
+        n_in = sum(math.prod(s) for s in in_shapes)
+        n_out = sum(math.prod(a.shape) for a in out_avals)
+        mode = "reverse" if n_out < n_in else "forward"
+    if mode == "reverse" and all(jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals):
+        try:
+            return _reverse(f_jvp, diff, out_avals)
+        except Exception:  # e.g. a `while` loop cannot be transposed: go forward instead
+            pass
+    lin = jax.make_jaxpr(f_jvp)(*diff)
+    ctx = Context(in_shapes=in_shapes)
+    invals = [
+        Lin({p: Struct.identity(s, jnp.result_type(x))}, s, jnp.result_type(x))
+        for p, (s, x) in enumerate(zip(in_shapes, diff))
+    ]
+    outs = interpret(ctx, lin.jaxpr, lin.consts, invals)
+    outs = _to_lin_outputs(outs, out_avals)
+    blocks = [[x.blocks.get(p) for p in range(len(diff))] for x in outs]
+    return blocks, ctx.densified
+
+
+def _reverse(f_jvp, diff, out_avals):
+    """Reverse accumulation: structure propagated forward through the transposed linear
+    program, then each block transposed (free)."""
+    f_vjp = jax.linear_transpose(f_jvp, *diff)
+    cts = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+    lin = jax.make_jaxpr(lambda *c: f_vjp(list(c)))(*cts)
+    ctx = Context(in_shapes=[tuple(a.shape) for a in out_avals])
+    invals = [
+        Lin({q: Struct.identity(tuple(a.shape), a.dtype)}, a.shape, a.dtype)
+        for q, a in enumerate(out_avals)
+    ]
+    outs = interpret(ctx, lin.jaxpr, lin.consts, invals)
+    outs = _to_lin_outputs(outs, [v.aval for v in lin.jaxpr.outvars])
+    blocks = []
+    for q in range(len(out_avals)):
+        row = []
+        for p in range(len(diff)):
+            b = outs[p].blocks.get(q)
+            row.append(None if b is None else b.transpose_io())
+        blocks.append(row)
+    return blocks, ctx.densified
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run_dense(spec: _Spec, consts, diff, rest):
+    blocks, densified = _structured_jacobian(spec, consts, diff, rest)
+    _check_strict(spec, densified)
+    out = []
+    for q, row in enumerate(blocks):
+        aval = spec.jaxpr.outvars[q].aval
+        dtype = _tangent_dtype(aval.dtype)
+        cells = []
+        for p, b in enumerate(row):
+            shape = tuple(aval.shape) + tuple(jnp.shape(diff[p]))
+            if dtype == jax.dtypes.float0:
+                cells.append(np.zeros(shape, jax.dtypes.float0))
+            elif b is None:
+                cells.append(jnp.zeros(shape, dtype))
+            else:
+                cells.append(b.to_dense().astype(dtype))
+        out.append(cells)
+    return out
+
+
+def _check_strict(spec: _Spec, densified: dict[str, int]):
+    if spec.strict and densified:
+        names = ", ".join(f"`{k}` ({v}x)" for k, v in sorted(densified.items()))
+        raise ValueError(
+            "`materialise(..., strict=True)`: these primitives took the exact dense fallback "
+            f"and lost structure: {names}. Register a rule with "
+            "`diffrax_linearize.internal.register_rule`, or pass `strict=False`."
+        )
+
+
+def _tangent_dtype(dtype):
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return dtype
+    return jax.dtypes.float0
+
+
+def _trace(fn, args, argnums, holomorphic, api):
+    """Flatten the arguments, trace `fn` to a jaxpr whose constants are hoisted to
+    arguments, and return everything needed to call the compiled kernel."""
+    if not callable(fn):
+        raise TypeError(
+            f"`{api}`: the first argument must be a callable (or a `diffrax.AbstractTerm`), "
+            f"got {type(fn).__name__}."
+        )
+    nums = _check_argnums(argnums, len(args), api)
+    diff_args = tuple(args[i] for i in nums)
+    diff_tree_arg = diff_args[0] if isinstance(argnums, int) else diff_args
+    diff_leaves, diff_tree = jtu.tree_flatten(diff_tree_arg)
+    _check_inputs(diff_leaves, holomorphic, api)
+    diff_leaves = [jnp.asarray(x) for x in diff_leaves]
+    others = [a for i, a in enumerate(args) if i not in nums]
+    dyn_others, static_others = eqx.partition(others, _is_array_leaf)
+    other_leaves, other_tree = jtu.tree_flatten(dyn_others)
+    out_tree_box = []
+
+    def flat_fn(*flat):
+        d = jtu.tree_unflatten(diff_tree, flat[: len(diff_leaves)])
+        o = eqx.combine(jtu.tree_unflatten(other_tree, flat[len(diff_leaves) :]), static_others)
+        d = (d,) if isinstance(argnums, int) else d
+        full, it_d, it_o = [], iter(d), iter(o)
+        for i in range(len(args)):
+            full.append(next(it_d) if i in nums else next(it_o))
+        out = fn(*full)
+        leaves, tree = jtu.tree_flatten(out)
+        for leaf in leaves:
+            if not _is_array_leaf(leaf):
+                raise TypeError(
+                    f"`{api}`: `fn` must return a pytree of arrays, but it returned a leaf of "
+                    f"type {type(leaf).__name__}."
+                )
+        out_tree_box.append(tree)
+        return [jnp.asarray(x) for x in leaves]
+
+    closed = jax.make_jaxpr(flat_fn)(*diff_leaves, *other_leaves)
+    out_tree = out_tree_box[0]
+    if holomorphic:
+        for v in closed.jaxpr.outvars:
+            if not jnp.issubdtype(v.aval.dtype, jnp.complexfloating):
+                raise TypeError(f"`{api}` with `holomorphic=True` requires complex outputs.")
+    return closed, diff_leaves, other_leaves, diff_tree, out_tree
+
+
+_MODES = ("auto", "forward", "reverse")
+
+
+def _check_mode(mode, api):
+    if mode not in _MODES:
+        raise ValueError(f"`{api}`: `mode` must be one of {_MODES}, got {mode!r}.")
+
+
+@functools.singledispatch
+def materialise(
+    fn: Callable,
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    holomorphic: bool = False,
+    mode: str = "auto",
+    strict: bool = False,
+):
+    """The Jacobian of `fn` at `args`, as `jax.jacfwd(fn, argnums)(*args)` returns it, computed
+    by propagating symbolic structure through `fn`'s linearised jaxpr instead of pushing an
+    identity basis through it.
+
+    For a linear `fn` the result is the matrix of the map: `materialise(lambda x: A @ x, x)`
+    is `A` itself, with no matrix-matrix product in the traced program. A nonlinear `fn` is
+    linearised at `args` first (`jax.linearize`), so `B @ tanh(A @ x)` costs one matrix-matrix
+    product, `(B * sech²(A x)) @ A`, where `jax.jacfwd` pays two.
+
+    Structure kept per value: zero, identity, scaled identity, diagonal, dense, and
+    axis-level structure (identity or broadcast along some axes, diagonal along others). Every
+    primitive without a structure rule takes an exact dense fallback: its JVP vectorised over
+    the basis, never wrong, only slower; `strict=True` reports which ones did.
+
+    Closed-over arrays are hoisted to arguments of the compiled kernel, and the kernel is
+    cached on the text of the jaxpr, so an un-jitted call does not compile the closed-over
+    arrays into the program, and a repeated call does not recompile.
+
+    Also accepts a `diffrax.AbstractTerm` as first argument: see
+    [`diffrax_linearize.materialise_term`][].
+
+    **Arguments:**
+
+    - `fn`: a function of `args` returning a pytree of arrays.
+    - `*args`: the arguments; those named by `argnums` must be pytrees of floating arrays.
+    - `argnums`: an int or a tuple of ints, as for `jax.jacfwd`.
+    - `holomorphic`: as for `jax.jacfwd`: complex inputs and outputs, complex-linear `fn`.
+    - `mode`: `"forward"`, `"reverse"`, or `"auto"` (reverse when the outputs are smaller
+      than the inputs, as one would choose between `jax.jacfwd` and `jax.jacrev`).
+    - `strict`: raise a `ValueError` naming every primitive that took the dense fallback.
+
+    **Returns:**
+
+    Exactly the pytree `jax.jacfwd(fn, argnums=argnums, holomorphic=holomorphic)(*args)`
+    returns: for each output leaf, a pytree like the differentiated argument(s) of arrays of
+    shape `out.shape + in.shape`.
+    """
+    api = "diffrax_linearize.materialise"
+    _check_mode(mode, api)
+    closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, holomorphic, api)
+    spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=False)
+    cells = _run_dense(spec, list(closed.consts), diff, rest)
+    return out_tree.unflatten([diff_tree.unflatten(row) for row in cells])
+
+
+def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.AbstractLinearOperator:
+    out_struct = jax.ShapeDtypeStruct(tuple(out_aval.shape), out_aval.dtype)
+    in_struct = jax.ShapeDtypeStruct(tuple(in_shape), in_dtype)
+    if b is None:
+        zeros = jnp.zeros(tuple(out_aval.shape) + tuple(in_shape), out_aval.dtype)
+        return lx.PyTreeLinearOperator(zeros, out_struct)
+    kind = b.kind()
+    if kind == "identity" and out_aval.dtype == in_dtype:
+        return lx.IdentityLinearOperator(in_struct, out_struct)
+    if kind in ("identity", "scaled_identity", "diagonal"):
+        c = b.canonical()
+        diag = jnp.broadcast_to(
+            jnp.asarray(c.val, dtype=out_aval.dtype).reshape(
+                tuple(c.sizes[k] if k in c.val_labels else 1 for k in range(len(c.out_shape)))
+            ),
+            c.out_shape,
+        )
+        return lx.DiagonalLinearOperator(diag)
+    dense = b.to_dense().astype(out_aval.dtype)
+    if len(out_aval.shape) == 1 and len(in_shape) == 1:
+        return lx.MatrixLinearOperator(dense)
+    return lx.PyTreeLinearOperator(dense, out_struct)
+
+
+def materialise_operator(
+    fn: Callable,
+    *args: Any,
+    argnums: int = 0,
+    mode: str = "auto",
+    strict: bool = False,
+) -> lx.AbstractLinearOperator:
+    """The Jacobian of `fn` at `args` as a `lineax.AbstractLinearOperator` that keeps the
+    detected structure, so that `lineax.linear_solve` can exploit it.
+
+    For one array in and one array out: an identity becomes a
+    `lineax.IdentityLinearOperator`, a scaled identity or diagonal a
+    `lineax.DiagonalLinearOperator`, a dense map of vectors a `lineax.MatrixLinearOperator`,
+    anything else a `lineax.PyTreeLinearOperator`. With pytrees in or out, a
+    `lineax.PyTreeLinearOperator` of the whole Jacobian (its structure queries such as
+    `lineax.is_diagonal` then see a dense operator).
+
+    **Arguments:**
+
+    - `fn`, `*args`, `mode`, `strict`: as for [`diffrax_linearize.materialise`][].
+    - `argnums`: a single int: the operator acts on one argument (a pytree).
+
+    **Returns:** a `lineax.AbstractLinearOperator` from the differentiated argument's
+    structure to `fn`'s output structure.
+    """
+    api = "diffrax_linearize.materialise_operator"
+    _check_mode(mode, api)
+    if not isinstance(argnums, int):
+        raise TypeError(f"`{api}`: `argnums` must be a single int, got {argnums!r}.")
+    closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, False, api)
+    spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=True)
+    return _run_operator(spec, list(closed.consts), diff, rest, diff_tree, out_tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _run_operator(spec: _Spec, consts, diff, rest, diff_tree, out_tree):
+    # Built inside `jit`, where the structure (a NumPy one for an identity, say) is known.
+    blocks, densified = _structured_jacobian(spec, consts, diff, rest)
+    _check_strict(spec, densified)
+    out_avals = [v.aval for v in spec.jaxpr.outvars]
+    if jtu.treedef_is_leaf(diff_tree) and jtu.treedef_is_leaf(out_tree):
+        return _block_operator(blocks[0][0], out_avals[0], diff[0].shape, diff[0].dtype)
+    cells = []
+    for q, row in enumerate(blocks):
+        aval = out_avals[q]
+        cells.append(
+            [
+                jnp.zeros(tuple(aval.shape) + tuple(diff[p].shape), aval.dtype)
+                if b is None
+                else b.to_dense().astype(aval.dtype)
+                for p, b in enumerate(row)
+            ]
+        )
+    jac = out_tree.unflatten([diff_tree.unflatten(row) for row in cells])
+    out_struct = out_tree.unflatten([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
+    return lx.PyTreeLinearOperator(jac, out_struct)

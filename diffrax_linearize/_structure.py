@@ -1,0 +1,427 @@
+"""Structured Jacobian blocks.
+
+A block is the Jacobian of one array (the "out" side) with respect to one input array (the
+"in" side): a tensor of shape `out_shape + in_shape`, stored as a small array `val` and a
+labelling of axes, in the spirit of einsum notation (graphax's sparse tensors and
+neural-tangents' structured derivatives do the same):
+
+- every out axis and every in axis carries a label;
+- a label shared by an out axis and an in axis is a Kronecker delta between them (identity
+  along that pair of axes: the block is diagonal there);
+- `val`'s axes carry labels too. A label not among `val`'s is one along which `val` is
+  constant: a broadcast axis, or, for a shared label, a delta with constant values.
+
+So `J[o, i] = val[...] * prod_L delta(o_L, i_L)`, the product over shared labels. The identity
+is a scalar `val` of one with every axis shared; a diagonal has `val` of the out shape with
+every axis shared; a dense block has every label in `val` and none shared.
+
+`val` may be a NumPy array: then it is known at trace time, and multiplying by a NumPy one
+is skipped, so that the Jacobian of `x -> A @ x` is `A` itself.
+"""
+
+import itertools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+_fresh_labels = itertools.count(1_000_000)
+
+
+def fresh_label() -> int:
+    """A label not used by any canonical block (canonical labels are small integers)."""
+    return next(_fresh_labels)
+
+
+def is_unit(val) -> bool:
+    """Whether `val` is a NumPy array of ones with no axes: multiplying by it is a no-op."""
+    return isinstance(val, np.ndarray) and val.shape == () and bool(val == 1)
+
+
+def place(arr, labels: Sequence[int], target: Sequence[int]):
+    """Transpose and reshape `arr` (axes labelled `labels`) so that it broadcasts against an
+    array whose axes are labelled `target`: its axes at their labels' positions, size one
+    elsewhere."""
+    labels = list(labels)
+    target = list(target)
+    pos = [target.index(label) for label in labels]
+    order = sorted(range(len(labels)), key=lambda a: pos[a])
+    if order != list(range(len(labels))):
+        arr = arr.transpose(order)
+    shape = [1] * len(target)
+    for a in order:
+        shape[pos[a]] = arr.shape[order.index(a)]
+    if tuple(shape) != tuple(arr.shape):
+        arr = arr.reshape(shape)
+    return arr
+
+
+def contract(operands, keep: Sequence[int], sizes: dict[int, int]):
+    """Einsum over labelled operands.
+
+    **Arguments:**
+
+    - `operands`: `(array, labels)` pairs.
+    - `keep`: labels to keep, in order; any other label present is summed over.
+    - `sizes`: the size of every label.
+
+    **Returns:** `(array, labels)`, the labels being those of `keep` that appear in some
+    operand. Operands that are NumPy scalar ones are dropped. Where nothing is summed the
+    result is a broadcasting product (never a `dot_general`).
+    """
+    operands = [(a, tuple(ls)) for a, ls in operands if not is_unit(a)]
+    if not operands:
+        return np.ones((), dtype=np.float32), ()
+    present = []
+    for _, ls in operands:
+        for label in ls:
+            if label not in present:
+                present.append(label)
+    out_labels = tuple(label for label in keep if label in present)
+    summed = [label for label in present if label not in out_labels]
+    if not summed:
+        result = None
+        for arr, ls in operands:
+            placed = place(arr, ls, out_labels)
+            result = placed if result is None else result * placed
+        full = tuple(sizes[label] for label in out_labels)
+        if tuple(result.shape) != full:
+            result = jnp.broadcast_to(result, full)
+        return result, out_labels
+    if len(operands) == 1:
+        arr, ls = operands[0]
+        axes = tuple(ls.index(label) for label in summed)
+        arr = arr.sum(axis=axes)
+        rest = tuple(label for label in ls if label not in summed)
+        return place(arr, rest, out_labels), out_labels
+    letters = {}
+    for label in present:
+        letters[label] = _LETTERS[len(letters)]
+    spec = ",".join("".join(letters[label] for label in ls) for _, ls in operands)
+    spec += "->" + "".join(letters[label] for label in out_labels)
+    result = jnp.einsum(spec, *[arr for arr, _ in operands])
+    return result, out_labels
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def eye(n: int, dtype):
+    return jnp.eye(n, dtype=dtype)
+
+
+@jax.tree_util.register_pytree_node_class
+class Struct:
+    """One structured Jacobian block; see the module docstring. Immutable."""
+
+    __slots__ = (
+        "val",
+        "val_labels",
+        "out_labels",
+        "in_labels",
+        "out_shape",
+        "in_shape",
+    )
+
+    def __init__(self, val, val_labels, out_labels, in_labels, out_shape, in_shape):
+        self.val = val
+        self.val_labels = tuple(val_labels)
+        self.out_labels = tuple(out_labels)
+        self.in_labels = tuple(in_labels)
+        self.out_shape = tuple(out_shape)
+        self.in_shape = tuple(in_shape)
+
+    def tree_flatten(self):
+        aux = (
+            self.val_labels,
+            self.out_labels,
+            self.in_labels,
+            self.out_shape,
+            self.in_shape,
+        )
+        return (self.val,), aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    # ---- construction -----------------------------------------------------------------
+
+    @classmethod
+    def identity(cls, shape, dtype) -> "Struct":
+        labels = tuple(range(len(shape)))
+        return cls(np.ones((), dtype=dtype), (), labels, labels, shape, shape)
+
+    @classmethod
+    def from_dense(cls, arr, out_ndim: int) -> "Struct":
+        """A dense block from an array of shape `out_shape + in_shape`."""
+        shape = tuple(arr.shape)
+        out_labels = tuple(range(out_ndim))
+        in_labels = tuple(range(out_ndim, len(shape)))
+        return cls(
+            arr,
+            out_labels + in_labels,
+            out_labels,
+            in_labels,
+            shape[:out_ndim],
+            shape[out_ndim:],
+        )
+
+    @classmethod
+    def build(cls, val, val_labels, out_labels, in_labels, out_shape, in_shape) -> "Struct":
+        """Construct, checking the invariants, then relabel canonically."""
+        out = cls(val, val_labels, out_labels, in_labels, out_shape, in_shape)
+        out.check()
+        return out.canonical()
+
+    def check(self):
+        assert len(self.out_labels) == len(self.out_shape), (
+            self.out_labels,
+            self.out_shape,
+        )
+        assert len(self.in_labels) == len(self.in_shape), (
+            self.in_labels,
+            self.in_shape,
+        )
+        assert len(set(self.out_labels)) == len(self.out_labels)
+        assert len(set(self.in_labels)) == len(self.in_labels)
+        assert len(set(self.val_labels)) == len(self.val_labels)
+        sizes = self.sizes
+        for label in self.val_labels:
+            assert label in sizes, (
+                label,
+                self.val_labels,
+                self.out_labels,
+                self.in_labels,
+            )
+        assert tuple(self.val.shape) == tuple(sizes[label] for label in self.val_labels), (
+            self.val.shape,
+            self.val_labels,
+            sizes,
+        )
+        for k, label in enumerate(self.out_labels):
+            if label in self.in_labels:
+                assert self.out_shape[k] == self.in_shape[self.in_labels.index(label)]
+
+    # ---- queries ----------------------------------------------------------------------
+
+    @property
+    def sizes(self) -> dict[int, int]:
+        sizes = dict(zip(self.out_labels, self.out_shape))
+        sizes.update(zip(self.in_labels, self.in_shape))
+        return sizes
+
+    @property
+    def dtype(self):
+        return self.val.dtype
+
+    @property
+    def ties(self) -> dict[int, int]:
+        """`{out axis: in axis}` for every delta pair."""
+        return {
+            k: self.in_labels.index(label)
+            for k, label in enumerate(self.out_labels)
+            if label in self.in_labels
+        }
+
+    def canonical(self) -> "Struct":
+        """The same block with labels renamed to a canonical form: out axis `k` is labelled
+        `k`; in axis `l` is labelled like its tied out axis, or `n_out + l`. Two blocks with
+        the same structure then have the same labels."""
+        n_out = len(self.out_labels)
+        rename = {label: k for k, label in enumerate(self.out_labels)}
+        for l, label in enumerate(self.in_labels):
+            if label not in rename:
+                rename[label] = n_out + l
+        val_labels = tuple(rename[label] for label in self.val_labels)
+        order = sorted(range(len(val_labels)), key=lambda a: val_labels[a])
+        val = self.val
+        if order != list(range(len(order))):
+            val = val.transpose(order)
+            val_labels = tuple(val_labels[a] for a in order)
+        return Struct(
+            val,
+            val_labels,
+            tuple(rename[label] for label in self.out_labels),
+            tuple(rename[label] for label in self.in_labels),
+            self.out_shape,
+            self.in_shape,
+        )
+
+    def structure_key(self):
+        """Hashable description of the structure (not the values) of a canonical block."""
+        c = self.canonical()
+        return (
+            c.val_labels,
+            c.out_labels,
+            c.in_labels,
+            c.out_shape,
+            c.in_shape,
+            c.val.dtype,
+        )
+
+    def kind(self) -> str:
+        """`"identity"`, `"scaled_identity"`, `"diagonal"`, `"dense"` or `"structured"`."""
+        ties = self.ties
+        if (
+            self.out_shape == self.in_shape
+            and len(ties) == len(self.out_shape)
+            and all(k == l for k, l in ties.items())
+        ):
+            if is_unit(self.val):
+                return "identity"
+            if self.val_labels == ():
+                return "scaled_identity"
+            return "diagonal"
+        if not ties and set(self.val_labels) == set(self.out_labels) | set(self.in_labels):
+            return "dense"
+        return "structured"
+
+    # ---- elementary transformations ---------------------------------------------------
+
+    def with_val(self, val) -> "Struct":
+        return Struct(
+            val,
+            self.val_labels,
+            self.out_labels,
+            self.in_labels,
+            self.out_shape,
+            self.in_shape,
+        )
+
+    def map_val(self, fn) -> "Struct":
+        return self.with_val(fn(self.val))
+
+    def astype(self, dtype) -> "Struct":
+        if self.val.dtype == dtype:
+            return self
+        if isinstance(self.val, np.ndarray):
+            return self.with_val(self.val.astype(dtype))
+        return self.with_val(self.val.astype(dtype))
+
+    def transpose_io(self) -> "Struct":
+        """The block of the transposed map: out and in swapped. Free."""
+        return Struct(
+            self.val,
+            self.val_labels,
+            self.in_labels,
+            self.out_labels,
+            self.in_shape,
+            self.out_shape,
+        ).canonical()
+
+    def untie_out(self, k: int) -> "Struct":
+        """Replace the delta on out axis `k` by an explicit identity factor in `val`."""
+        label = self.out_labels[k]
+        assert label in self.in_labels
+        new = fresh_label()
+        sizes = self.sizes
+        sizes[new] = sizes[label]
+        val, val_labels = contract(
+            [
+                (self.val, self.val_labels),
+                (eye(sizes[label], self.dtype), (new, label)),
+            ],
+            self.val_labels + (new,) + (() if label in self.val_labels else (label,)),
+            sizes,
+        )
+        if val.dtype != self.dtype:
+            val = val.astype(self.dtype)
+        out_labels = list(self.out_labels)
+        out_labels[k] = new
+        return Struct.build(
+            val, val_labels, out_labels, self.in_labels, self.out_shape, self.in_shape
+        )
+
+    def _broadcast_label(self, label) -> "Struct":
+        sizes = self.sizes
+        val_labels = self.val_labels + (label,)
+        val = jnp.broadcast_to(
+            place(self.val, self.val_labels, val_labels),
+            tuple(sizes[lb] for lb in val_labels),
+        )
+        return Struct.build(
+            val,
+            val_labels,
+            self.out_labels,
+            self.in_labels,
+            self.out_shape,
+            self.in_shape,
+        )
+
+    def densify_out(self, axes: Sequence[int] | None = None) -> "Struct":
+        """Make the given out axes (default all) plain: untied and present in `val`."""
+        out = self
+        if axes is None:
+            axes = range(len(self.out_shape))
+        for k in axes:
+            if out.out_labels[k] in out.in_labels:
+                out = out.untie_out(k)
+            if out.out_labels[k] not in out.val_labels:
+                out = out._broadcast_label(out.out_labels[k])
+        return out
+
+    def densify_in(self, axes: Sequence[int] | None = None) -> "Struct":
+        """Make the given in axes (default all) plain: untied and present in `val`."""
+        out = self
+        if axes is None:
+            axes = range(len(self.in_shape))
+        for l in axes:
+            label = out.in_labels[l]
+            if label in out.out_labels:
+                out = out.untie_out(out.out_labels.index(label))
+                label = out.in_labels[l]
+            if label not in out.val_labels:
+                out = out._broadcast_label(label)
+        return out
+
+    def dense_val(self):
+        """`val` after densifying everything: shape `out_shape + in_shape`, labels in order."""
+        d = self.densify_out().densify_in()
+        return place(d.val, d.val_labels, d.out_labels + d.in_labels)
+
+    def to_dense(self):
+        """The block as a plain array of shape `out_shape + in_shape`.
+
+        Built from `val` by broadcasting and multiplying by identity factors: no
+        `dot_general`. Where the block is already dense this is a transpose at most.
+        """
+        sizes = self.sizes
+        in_labels = list(self.in_labels)
+        operands = [(self.val, self.val_labels)]
+        for l, label in enumerate(in_labels):
+            if label in self.out_labels:
+                new = fresh_label()
+                sizes[new] = sizes[label]
+                in_labels[l] = new
+                operands.append((eye(sizes[label], self.dtype), (label, new)))
+        target = tuple(self.out_labels) + tuple(in_labels)
+        val, labels = contract(operands, target, sizes)
+        full = self.out_shape + self.in_shape
+        val = jnp.asarray(val, dtype=self.dtype)
+        return jnp.broadcast_to(place(val, labels, target), full)
+
+
+def add(a: Struct, b: Struct) -> Struct:
+    """The sum of two blocks of the same shapes, keeping the structure they share."""
+    assert a.out_shape == b.out_shape and a.in_shape == b.in_shape
+    ta, tb = a.ties, b.ties
+    for k in set(ta) | set(tb):
+        if ta.get(k) != tb.get(k):
+            if k in ta:
+                a = a.untie_out(k)
+            if k in tb:
+                b = b.untie_out(k)
+    a = a.canonical()
+    b = b.canonical()
+    labels = tuple(sorted(set(a.val_labels) | set(b.val_labels)))
+    if a.val_labels == b.val_labels:
+        val = a.val + b.val
+    else:
+        val = place(a.val, a.val_labels, labels) + place(b.val, b.val_labels, labels)
+        full = tuple(a.sizes[label] for label in labels)
+        if tuple(val.shape) != full:
+            val = jnp.broadcast_to(val, full)
+    return Struct(val, labels, a.out_labels, a.in_labels, a.out_shape, a.in_shape)

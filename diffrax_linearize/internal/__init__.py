@@ -1,0 +1,18 @@
+"""Extension hooks for advanced users: register a structure rule for a primitive of your own.
+
+A rule is `rule(ctx, eqn, invals) -> outvals`: `invals` holds, per input of the equation,
+either a [`Lin`][] (the structured Jacobian of a value that depends on the differentiated
+inputs: one [`Struct`][] block per input leaf) or a constant array; it returns one value per
+output. Return `NotImplemented` to hand an equation to the exact dense fallback.
+"""
+
+from .._interpreter import (
+    Context as Context,
+    dense_fallback as dense_fallback,
+    interpret as interpret,
+    Lin as Lin,
+    lookup_rule as lookup_rule,
+    register_rule as register_rule,
+    registered_primitives as registered_primitives,
+)
+from .._structure import add as add, contract as contract, Struct as Struct
