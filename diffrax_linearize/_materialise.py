@@ -423,6 +423,7 @@ def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.Abstra
     return lx.PyTreeLinearOperator(dense, out_struct)
 
 
+@functools.singledispatch
 def materialise_operator(
     fn: Callable,
     *args: Any,
@@ -479,3 +480,15 @@ def _run_operator(spec: _Spec, consts, diff, rest, diff_tree, out_tree):
     jac = out_tree.unflatten([diff_tree.unflatten(row) for row in cells])
     out_struct = out_tree.unflatten([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals])
     return lx.PyTreeLinearOperator(jac, out_struct)
+
+
+def structured_blocks(fn: Callable, *args, mode: str = "forward"):
+    """For use inside a trace (a solver step): the structured Jacobian of `fn` with respect
+    to its first argument, as `(blocks, in_tree, out_tree)` where `blocks[q][p]` is the
+    [`diffrax_linearize.internal.Struct`][] of output leaf `q` w.r.t. input leaf `p`, or
+    `None` where it is zero. Nothing is compiled separately."""
+    api = "diffrax_linearize.internal.structured_blocks"
+    closed, diff, rest, diff_tree, out_tree = _trace(fn, args, 0, False, api)
+    spec = _Spec(closed.jaxpr, len(diff), mode, False, structured=True)
+    blocks, _ = _structured_jacobian(spec, list(closed.consts), diff, rest)
+    return blocks, diff_tree, out_tree

@@ -81,7 +81,8 @@ def contract(operands, keep: Sequence[int], sizes: dict[int, int]):
                 present.append(label)
     out_labels = tuple(label for label in keep if label in present)
     summed = [label for label in present if label not in out_labels]
-    if not summed:
+    repeated = any(len(set(ls)) != len(ls) for _, ls in operands)
+    if not summed and not repeated:
         result = None
         for arr, ls in operands:
             placed = place(arr, ls, out_labels)
@@ -90,7 +91,7 @@ def contract(operands, keep: Sequence[int], sizes: dict[int, int]):
         if tuple(result.shape) != full:
             result = jnp.broadcast_to(result, full)
         return result, out_labels
-    if len(operands) == 1:
+    if len(operands) == 1 and not repeated:
         arr, ls = operands[0]
         axes = tuple(ls.index(label) for label in summed)
         arr = arr.sum(axis=axes)

@@ -1,0 +1,297 @@
+"""Materialising Diffrax terms.
+
+Diffrax keeps the interaction of a vector field with its control abstract:
+[`diffrax.AbstractTerm.prod`][] is any bilinear map. The functions here give the matrix of
+`control -> term.prod(term.vf(t, y, args), control)`, its derivative with respect to the
+state, and the structure queries that the Milstein solvers use, all through the structure
+engine rather than `jax.jacfwd`.
+"""
+
+from typing import Literal
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.flatten_util import ravel_pytree
+from jaxtyping import Array, PyTree
+
+from ._materialise import materialise, materialise_operator, structured_blocks
+from ._structure import contract, place
+
+
+NoiseStructure = Literal["additive", "scalar", "diagonal", "general"]
+
+
+def _check_term(term, api: str):
+    if not isinstance(term, diffrax.AbstractTerm):
+        raise TypeError(f"`{api}` expects a `diffrax.AbstractTerm`, got {type(term).__name__}.")
+
+
+def control_zeros(term: diffrax.AbstractTerm, t) -> PyTree[Array]:
+    """Zeros shaped like `term.contr(t0, t1)`: the control space of `term`."""
+    shapes = jax.eval_shape(lambda t: term.contr(t, t), t)
+    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _vf(term, t, y, args, api: str):
+    """`term.vf(t, y, args)`, checking that `term.prod` of it gives a `y`-shaped result."""
+    control = control_zeros(term, t)
+    try:
+        out = jax.eval_shape(lambda y: term.prod(term.vf(t, y, args), control), y)
+    except Exception as e:
+        raise ValueError(
+            f"`{api}`: evaluating `term.prod(term.vf(t, y, args), control)` failed for the "
+            f"given `y` ({_describe(y)}). `y` must be a state of the shape and structure the "
+            f"term's vector field expects. The error was: {type(e).__name__}: {e}"
+        ) from e
+    y_struct = jax.eval_shape(lambda: y)
+    if jtu.tree_structure(out) != jtu.tree_structure(y_struct) or any(
+        a.shape != b.shape for a, b in zip(jtu.tree_leaves(out), jtu.tree_leaves(y_struct))
+    ):
+        raise ValueError(
+            f"`{api}`: `term.prod(term.vf(t, y, args), control)` has structure "
+            f"{_describe(out)} but `y` has structure {_describe(y_struct)}. `y` must be a "
+            "state of the structure the term's vector field is written for."
+        )
+    return term.vf(t, y, args), control
+
+
+def _describe(tree) -> str:
+    leaves = jtu.tree_leaves(tree)
+    return f"{jtu.tree_structure(tree)} with shapes {[tuple(jnp.shape(x)) for x in leaves]}"
+
+
+def _is_holomorphic(control) -> bool:
+    leaves = jtu.tree_leaves(control)
+    return bool(leaves) and all(jnp.iscomplexobj(x) for x in leaves)
+
+
+@materialise.register(diffrax.AbstractTerm)
+def _materialise_term(
+    term: diffrax.AbstractTerm, t, y, args, *, mode: str = "auto", strict: bool = False
+):
+    """The matrix of the linear map `control -> term.prod(term.vf(t, y, args), control)`, in
+    exactly the layout of `jax.jacfwd(lambda c: term.prod(term.vf(t, y, args), c))(control)`
+    for a control shaped like `term.contr(t0, t1)`: for pytree states and controls, diffrax's
+    `(tree(y), tree(control), leaf(y), leaf(control))` layout.
+
+    A `diffrax.ControlTerm` whose vector field returns an array gives that array back with no
+    work; one returning a `lineax` operator gives its matrix; any other term (`ODETerm`,
+    `MultiTerm`, your own subclass with a custom bilinear `prod`) goes through the structure
+    engine.
+
+    **Arguments:**
+
+    - `term`: any `diffrax.AbstractTerm`.
+    - `t`, `y`, `args`: where to evaluate the vector field.
+    - `mode`, `strict`: as for [`diffrax_linearize.materialise`][].
+
+    **Returns:** a pytree of arrays as described.
+    """
+    api = "diffrax_linearize.materialise"
+    vf, control = _vf(term, t, y, args, api)
+    return materialise(
+        lambda c, vf: term.prod(vf, c),
+        control,
+        vf,
+        holomorphic=_is_holomorphic(control),
+        mode=mode,
+        strict=strict,
+    )
+
+
+@materialise_operator.register(diffrax.AbstractTerm)
+def _materialise_operator_term(
+    term: diffrax.AbstractTerm, t, y, args, *, mode: str = "auto", strict: bool = False
+):
+    """The linear map `control -> term.prod(term.vf(t, y, args), control)` as a `lineax`
+    operator keeping its structure: a diagonal vector field gives a
+    `lineax.DiagonalLinearOperator`, an array vector field a `lineax.MatrixLinearOperator`."""
+    api = "diffrax_linearize.materialise_operator"
+    vf, control = _vf(term, t, y, args, api)
+    return materialise_operator(
+        lambda c, vf: term.prod(vf, c), control, vf, mode=mode, strict=strict
+    )
+
+
+def vf_derivative(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]:
+    """The derivative with respect to the state of the term's matrix: the Jacobian of
+    `y -> materialise(term, t, y, args)`, in `jax.jacfwd` layout (for array `y` and control:
+    shape `(d, m, d)`, entry `[i, j, k]` being $\\partial g_{ij} / \\partial y_k$).
+
+    Computed by the structure engine: for a diffusion linear in `y`, `g(y) = A y`, the stored
+    tensor `A` comes back with no work.
+
+    **Arguments:** `term`, `t`, `y`, `args` as for [`diffrax_linearize.materialise`][].
+
+    **Returns:** a pytree of arrays.
+    """
+    api = "diffrax_linearize.vf_derivative"
+    _check_term(term, api)
+    _vf(term, t, y, args, api)
+    return materialise(lambda y: materialise(term, t, y, args), y)
+
+
+# ---- structure queries ----------------------------------------------------------------
+
+
+def _matrix_blocks(term, t, y, args, api):
+    vf, control = _vf(term, t, y, args, api)
+    blocks, _, _ = structured_blocks(lambda c, vf: term.prod(vf, c), control, vf)
+    return blocks, control
+
+
+def _dense_matrix_flat(term, t, args):
+    """`y -> [M[q][p] for q for p]`: the term's matrix, flattened into blocks."""
+
+    def fn(y):
+        m = materialise(term, t, y, args)
+        return jtu.tree_leaves(m)
+
+    return fn
+
+
+def noise_structure(term: diffrax.AbstractTerm, t, y, args) -> NoiseStructure:
+    """Classify the noise of a diffusion term at trace time, from the structure the engine
+    detects (no numbers are compared):
+
+    - `"additive"`: the term's matrix does not depend on `y`;
+    - `"scalar"`: the control has a single element;
+    - `"diagonal"`: one state array and one control array of the same shape, and the matrix
+      is diagonal (for example a vector field returning a `lineax.DiagonalLinearOperator`);
+    - `"general"`: anything else.
+
+    **Arguments:** `term`, `t`, `y`, `args` as for [`diffrax_linearize.materialise`][].
+
+    **Returns:** one of the strings above (a Python string: usable in Python control flow
+    inside `jax.jit`).
+    """
+    api = "diffrax_linearize.noise_structure"
+    _check_term(term, api)
+    blocks, control = _matrix_blocks(term, t, y, args, api)
+    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
+    if all(b is None for row in dblocks for b in row):
+        return "additive"
+    if sum(jnp.size(c) for c in jtu.tree_leaves(control)) == 1:
+        return "scalar"
+    if len(blocks) == 1 and len(blocks[0]) == 1 and blocks[0][0] is not None:
+        if blocks[0][0].kind() in ("identity", "scaled_identity", "diagonal"):
+            return "diagonal"
+    return "general"
+
+
+def is_additive_noise(term: diffrax.AbstractTerm, t, y, args) -> bool:
+    """Whether `noise_structure(term, t, y, args) == "additive"`; see
+    [`diffrax_linearize.noise_structure`][]."""
+    return noise_structure(term, t, y, args) == "additive"
+
+
+def is_scalar_noise(term: diffrax.AbstractTerm, t, y, args) -> bool:
+    """Whether the control of `term` has a single element; see
+    [`diffrax_linearize.noise_structure`][]."""
+    return noise_structure(term, t, y, args) == "scalar"
+
+
+def is_diagonal_noise(term: diffrax.AbstractTerm, t, y, args) -> bool:
+    """Whether `noise_structure(term, t, y, args) == "diagonal"`; see
+    [`diffrax_linearize.noise_structure`][]."""
+    return noise_structure(term, t, y, args) == "diagonal"
+
+
+def _quadratic(term, t, y, args, control):
+    """$\\sum_{j_1 j_2} c_{j_1} c_{j_2} L^{j_1} g^{j_2}$: one JVP of `y -> g(y) c` in the
+    direction `g(y) c`."""
+
+    def g_c(y):
+        return term.prod(term.vf(t, y, args), control)
+
+    direction = g_c(y)
+    return jax.jvp(g_c, (y,), (direction,))[1]
+
+
+def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]:
+    """$\\sum_j L^j g^j = \\sum_j (\\partial g_{:, j} / \\partial y)\\, g_{:, j}$: the
+    derivative of each column of the diffusion matrix in the direction of that column,
+    summed over the noise channels. This is the Itô correction of the Milstein method.
+
+    Computed from the detected structure: zero for additive noise; one JVP for scalar and
+    diagonal noise (for diagonal noise this assumes the noise is commutative, that is,
+    $g_{ii}$ depends on $y_i$ alone: the assumption of the Milstein method itself); otherwise
+    one contraction of the structured derivative of the diffusion matrix with the matrix,
+    never a dense `d x m x d` tensor unless the derivative is dense.
+
+    **Arguments:** `term`, `t`, `y`, `args` as for [`diffrax_linearize.materialise`][].
+
+    **Returns:** a pytree like `y`.
+    """
+    api = "diffrax_linearize.milstein_trace_term"
+    _check_term(term, api)
+    kind = noise_structure(term, t, y, args)
+    if kind == "additive":
+        return jtu.tree_map(jnp.zeros_like, y)
+    control = control_zeros(term, t)
+    if kind in ("scalar", "diagonal"):
+        ones = jtu.tree_map(jnp.ones_like, control)
+        return _quadratic(term, t, y, args, ones)
+    matrix = jtu.tree_leaves(materialise(term, t, y, args))
+    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
+    y_leaves, y_tree = jtu.tree_flatten(y)
+    c_leaves = jtu.tree_leaves(control)
+    n_c = len(c_leaves)
+    out = []
+    for q, yq in enumerate(y_leaves):
+        total = jnp.zeros(jnp.shape(yq), jnp.result_type(yq))
+        nq = jnp.ndim(yq)
+        for p in range(n_c):
+            for r in range(len(y_leaves)):
+                d = dblocks[q * n_c + p][r]
+                if d is None:
+                    continue
+                m_rp = matrix[r * n_c + p]
+                y_labels = d.out_labels[:nq]
+                c_labels = d.out_labels[nq:]
+                val, labels = contract(
+                    [(d.val, d.val_labels), (m_rp, tuple(d.in_labels) + tuple(c_labels))],
+                    y_labels,
+                    d.sizes,
+                )
+                val = jnp.broadcast_to(place(jnp.asarray(val), labels, y_labels), jnp.shape(yq))
+                total = total + val.astype(total.dtype)
+        out.append(total)
+    return jtu.tree_unflatten(y_tree, out)
+
+
+def commutativity_defect(term: diffrax.AbstractTerm, t, y, args) -> Array:
+    """A numerical check, for debugging, of the commutativity condition
+    $L^{j_1} g^{j_2} = L^{j_2} g^{j_1}$ at one point, where
+    $L^{j} = \\sum_k g_{kj}\\, \\partial / \\partial y_k$.
+
+    Milstein methods that do not simulate Lévy areas (`diffrax_linearize.ItoMilstein`,
+    `diffrax_linearize.StratonovichMilstein`, and diffrax's own) reach strong order one only
+    when this holds everywhere along the solution.
+
+    **Arguments:** `term`, `t`, `y`, `args` as for [`diffrax_linearize.materialise`][].
+
+    **Returns:** the scalar $\\max_{i, j_1, j_2} |(L^{j_1} g^{j_2})_i - (L^{j_2} g^{j_1})_i|$,
+    over all state and control elements (pytrees are flattened). Zero (to rounding) for
+    commutative noise.
+    """
+    api = "diffrax_linearize.commutativity_defect"
+    _check_term(term, api)
+    _vf(term, t, y, args, api)
+    control = control_zeros(term, t)
+    y_flat, unravel_y = ravel_pytree(y)
+    c_flat, unravel_c = ravel_pytree(control)
+
+    def matrix(yf):
+        def prod(cf):
+            out = term.prod(term.vf(t, unravel_y(yf), args), unravel_c(cf))
+            return ravel_pytree(out)[0]
+
+        return materialise(prod, c_flat)
+
+    g = matrix(y_flat)  # (d, m)
+    dg = materialise(matrix, y_flat)  # (d, m, d)
+    lg = jnp.einsum("ijk,kl->ijl", dg, g)  # [i, j2, j1] = (L^{j1} g^{j2})_i
+    return jnp.max(jnp.abs(lg - jnp.swapaxes(lg, 1, 2)))
