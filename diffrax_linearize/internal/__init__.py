@@ -15,4 +15,5 @@ from .._interpreter import (
     register_rule as register_rule,
     registered_primitives as registered_primitives,
 )
+from .._materialise import structured_blocks as structured_blocks
 from .._structure import add as add, contract as contract, Struct as Struct
