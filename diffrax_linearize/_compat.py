@@ -19,10 +19,18 @@ Primitive = jex_core.Primitive
 DropVar = jex_core.DropVar
 
 
+# Names that differ between JAX versions: ours -> the alternatives, newest first.
+_ALIASES = {"jit": ("jit", "pjit"), "add_jaxvals": ("add_jaxvals", "add_any")}
+
+
 def prim(name: str) -> Primitive | None:
     """The primitive `name_p` from `jax.extend.core.primitives`, or `None` where this JAX
-    version does not have it."""
-    return getattr(_prims, f"{name}_p", None)
+    version does not have it (its equations then take the exact dense fallback)."""
+    for alias in _ALIASES.get(name, (name,)):
+        p = getattr(_prims, f"{alias}_p", None)
+        if p is not None:
+            return p
+    return None
 
 
 def bind_eqn(eqn: JaxprEqn, invals):
@@ -51,11 +59,18 @@ def used_inputs(jaxpr: Jaxpr, used_outputs) -> list[bool]:
     return used
 
 
+def _new_var(aval) -> Var:
+    try:
+        return Var(aval)  # jax >= 0.5
+    except TypeError:  # pragma: no cover - older jax: Var(suffix, aval)
+        return Var("", aval)
+
+
 def eqn_as_jaxpr(eqn: JaxprEqn) -> Jaxpr:
     """A jaxpr holding the single equation `eqn` (literal inputs made into variables)."""
     # Fresh variables throughout: a variable may appear twice among the inputs.
-    invars = [Var(v.aval) for v in eqn.invars]
-    outvars = [Var(v.aval) for v in eqn.outvars]
+    invars = [_new_var(v.aval) for v in eqn.invars]
+    outvars = [_new_var(v.aval) for v in eqn.outvars]
     new_eqn = eqn.replace(invars=invars, outvars=outvars)
     return Jaxpr(
         constvars=(),
