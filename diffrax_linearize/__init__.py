@@ -28,5 +28,12 @@ from ._solver.milstein import (
 
 # --- adjoints
 # --- squared gradients
+from ._squared_grads import (
+    per_example_grad_norms as per_example_grad_norms,
+    sum_squared_grads as sum_squared_grads,
+    value_grad_and_sum_squared_grads as value_grad_and_sum_squared_grads,
+)
+
+
 # --- ensembles
 __version__ = importlib.metadata.version("diffrax_linearize")
