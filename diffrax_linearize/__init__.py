@@ -36,4 +36,10 @@ from ._squared_grads import (
 
 
 # --- ensembles
+from ._ensemble import (
+    EnsembleSolution as EnsembleSolution,
+    solve_ensemble as solve_ensemble,
+)
+
+
 __version__ = importlib.metadata.version("diffrax_linearize")

@@ -1,0 +1,539 @@
+"""Monte Carlo ensembles of SDE solves, with the path axis sharded over a device mesh."""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
+
+
+_REDUCTIONS = ("mean", "var")
+_FAILED_MSG = (
+    "`solve_ensemble`: some paths failed to solve (for example by running out of "
+    "`max_steps`). Pass `throw=False` and inspect `EnsembleSolution.num_failed` and "
+    "`EnsembleSolution.paths.result` to see which."
+)
+
+
+class EnsembleSolution(eqx.Module):
+    """The result of [`diffrax_linearize.solve_ensemble`][].
+
+    All reductions are taken over the path axis of the saved values `ys` of every path,
+    leaf by leaf, and are replicated on every device of the mesh (so every host of a
+    multi-host run can read them).
+
+    **Fields:**
+
+    - `paths`: the per-path [`diffrax.Solution`][], every array with a leading path axis
+        of length `num_paths`, sharded over the mesh; or `None` if `return_paths=False`.
+    - `ts`: the save times, shared by all paths (those of the first path); `None` if
+        nothing was saved.
+    - `mean`: the mean over paths of `ys`, or `None` if not requested.
+    - `var`: the variance over paths of `ys` (normalised by `num_paths`, as `numpy.var`
+        with `ddof=0`; multiply by `num_paths / (num_paths - 1)` for the unbiased
+        estimator), or `None` if not requested.
+    - `quantiles`: the quantiles of `ys` over paths, each leaf with a leading axis of
+        length `len(q)`, computed as `numpy.quantile(..., method="linear")`; or `None`.
+    - `num_failed`: how many paths did not finish successfully (see
+        [`diffrax.RESULTS`][]); reductions include those paths.
+    - `num_paths`: the number of paths, as a Python integer.
+    """
+
+    paths: diffrax.Solution | None
+    ts: Array | None
+    mean: PyTree[Array] | None
+    var: PyTree[Array] | None
+    quantiles: PyTree[Array] | None
+    num_failed: Int[Array, ""]
+    num_paths: int = eqx.field(static=True)
+
+
+def _is_key_array(x) -> bool:
+    if not isinstance(x, jax.Array | np.ndarray):
+        return False
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x.ndim == 1
+    # Legacy raw keys, as from `jax.random.PRNGKey(seed)`, stacked: shape (N, 2).
+    return x.dtype == jnp.uint32 and x.ndim == 2 and x.shape[1] == 2
+
+
+def _leading_size(tree: PyTree, what: str) -> int | None:
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) > 0 else None for x in jtu.tree_leaves(tree)}
+    if None in sizes:
+        raise ValueError(
+            f"`solve_ensemble`: `{what}` is batched, so every array in it needs a "
+            "leading path axis, but one of them is a scalar. Pass "
+            f"`batch_{what}=False` to share `{what}` across all paths."
+        )
+    if len(sizes) > 1:
+        raise ValueError(
+            f"`solve_ensemble`: the arrays in the batched `{what}` have different "
+            f"leading (path) axis sizes {sorted(sizes)}; they must all have one size."
+        )
+    return sizes.pop() if sizes else None
+
+
+def _pad(tree: PyTree, pad: int) -> PyTree:
+    """Pads the leading axis by repeating the first entry, so that padded paths are
+    ordinary, finite solves (they are masked out of every reduction)."""
+    if pad == 0:
+        return tree
+
+    def pad_leaf(x):
+        x = jnp.asarray(x)
+        fill = jnp.broadcast_to(x[:1], (pad,) + x.shape[1:])
+        return jnp.concatenate([x, fill])
+
+    return jtu.tree_map(pad_leaf, tree)
+
+
+def _chunk_stats(ys, mask):
+    """Per-chunk count, means and sums of squared deviations (the statistics that Chan
+    et al.'s parallel variance algorithm combines), for every leaf of `ys`."""
+    count = jnp.sum(mask)
+    expand = lambda y: mask.reshape(mask.shape + (1,) * (y.ndim - 1))
+
+    def mean(y):
+        n = jnp.maximum(count, 1).astype(y.dtype)
+        return jnp.sum(jnp.where(expand(y), y, 0), axis=0) / n
+
+    means = jtu.tree_map(mean, ys)
+    m2s = jtu.tree_map(
+        lambda y, m: jnp.sum(jnp.where(expand(y), (y - m) ** 2, 0), axis=0), ys, means
+    )
+    return count, means, m2s
+
+
+def _combine_stats(counts, means, m2s, axis_names, total):
+    """Combines per-chunk statistics across chunks (axis 0) and devices (`psum`). Only
+    arrays of the size of one saved value cross devices."""
+    weights = lambda x: counts.reshape(counts.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
+
+    def mean(means):
+        return jax.lax.psum(jnp.sum(weights(means) * means, axis=0), axis_names) / total
+
+    def var(means, m2s, mean):
+        m2 = jnp.sum(m2s + weights(means) * (means - mean) ** 2, axis=0)
+        return jax.lax.psum(m2, axis_names) / total
+
+    mean_ = jtu.tree_map(mean, means)
+    return mean_, jtu.tree_map(var, means, m2s, mean_)
+
+
+# Exact distributed order statistics. A float's bit pattern, reinterpreted as a signed
+# integer and with the non-sign bits of negative numbers flipped, is monotone in the
+# float. A bisection over that integer range finds the k-th smallest value in `nbits`
+# steps, each needing only a `psum` of counts, so the values never leave their device.
+def _to_ordered_int(x):
+    itype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, itype)
+    flip = jnp.array(np.iinfo(itype).max, itype)
+    return jnp.where(bits < 0, bits ^ flip, bits)
+
+
+def _from_ordered_int(i, dtype):
+    flip = jnp.array(np.iinfo(i.dtype).max, i.dtype)
+    bits = jnp.where(i < 0, i ^ flip, i)
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def _order_statistic(keys, mask, k, axis_names):
+    """The `k`-th smallest (0-based) of the masked `keys` over axis 0 and all devices,
+    elementwise over the remaining axes."""
+    itype = keys.dtype
+    info = np.iinfo(itype)
+    m = mask.reshape(mask.shape + (1,) * (keys.ndim - 1))
+    lo = jnp.full(keys.shape[1:], info.min, itype)
+    hi = jnp.full(keys.shape[1:], info.max, itype)
+
+    def body(_, lo_hi):
+        lo, hi = lo_hi
+        # Floor of (lo + hi) / 2 without overflow.
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+        count = jnp.sum(m & (keys <= mid), axis=0, dtype=jnp.int32)
+        count = jax.lax.psum(count, axis_names)
+        enough = count >= k + 1
+        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, 8 * itype.itemsize, body, (lo, hi))
+    return lo
+
+
+def _quantiles(ys, mask, q, num_paths, axis_names):
+    # As `numpy.quantile(..., method="linear")`: interpolate between the order
+    # statistics at floor((n - 1) q) and ceil((n - 1) q).
+    h = np.asarray(q, dtype=np.float64) * (num_paths - 1)
+    below = np.floor(h).astype(np.int32)
+    above = np.minimum(below + 1, num_paths - 1).astype(np.int32)
+    ks = np.stack([below, above], axis=1)  # (len(q), 2)
+    frac = h - below
+
+    def leaf(y):
+        keys = _to_ordered_int(y)
+        stats = jax.lax.map(
+            lambda k: _order_statistic(keys, mask, k, axis_names), jnp.asarray(ks.ravel())
+        )
+        stats = _from_ordered_int(stats, y.dtype).reshape((len(q), 2) + y.shape[1:])
+        a, b = stats[:, 0], stats[:, 1]
+        t = jnp.asarray(frac, y.dtype).reshape((len(q),) + (1,) * (y.ndim - 1))
+        diff = b - a
+        # numpy's `_lerp`, which is exact at both ends.
+        return jnp.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+
+    return jtu.tree_map(leaf, ys)
+
+
+def _check_floating(ys):
+    for y in jtu.tree_leaves(ys):
+        if not jnp.issubdtype(y.dtype, jnp.floating):
+            raise ValueError(
+                "`solve_ensemble`: reductions need floating-point saved values, but `ys` "
+                f"holds an array of dtype {y.dtype}. Pass `reductions=()` and "
+                "`quantiles=None`, or save floating-point values via `saveat`."
+            )
+
+
+def solve_ensemble(
+    terms: Callable[[PRNGKeyArray], PyTree[diffrax.AbstractTerm]],
+    solver: diffrax.AbstractSolver,
+    t0: ArrayLike,
+    t1: ArrayLike,
+    dt0: ArrayLike | None,
+    y0: PyTree[ArrayLike],
+    args: PyTree[Any] = None,
+    *,
+    keys: PRNGKeyArray,
+    batch_y0: bool = False,
+    batch_args: bool = False,
+    saveat: diffrax.SaveAt = diffrax.SaveAt(t1=True),
+    reductions: Sequence[str] = ("mean", "var"),
+    quantiles: Sequence[float] | Float[ArrayLike, " q"] | None = None,
+    return_paths: bool = True,
+    chunk_size: int | None = None,
+    mesh: Mesh | None = None,
+    axis_names: str | Sequence[str] | None = None,
+    throw: bool = True,
+    **diffeqsolve_kwargs,
+) -> EnsembleSolution:
+    """Solves one SDE for many Brownian sample paths, with the paths sharded over a
+    mesh of devices, and reduces the saved values over paths on device.
+
+    Path $i$ is `diffrax.diffeqsolve(terms(keys[i]), solver, t0, t1, dt0, y0, args,
+    saveat=saveat, ...)` (with `y0[i]`, `args[i]` if batched). The path axis is split
+    evenly over the devices of `mesh` with [`jax.shard_map`][]; each device solves its
+    paths `chunk_size` at a time (a `jax.vmap` over a chunk inside a `jax.lax.map` over
+    chunks), so memory per device is bounded by the chunk size (plus the saved values,
+    if paths or quantiles are requested). A path count that does not divide evenly is
+    padded with copies of the first path, which are masked out of every reduction
+    exactly and sliced off the returned paths. (The returned `paths` stay sharded when
+    the number of devices divides `num_paths`; otherwise XLA cannot shard the path
+    axis evenly and gathers `paths` onto every device. Use a divisible path count, or
+    `return_paths=False`, to avoid that.)
+
+    What crosses devices: for `"mean"` and `"var"`, one `psum` each of arrays the size
+    of one path's saved values (per-device means and sums of squared deviations,
+    combined with Chan et al.'s parallel algorithm). For `quantiles`, an exact
+    bisection on the bit patterns of the values: $8 \\times$ `itemsize` `psum`s of
+    integer counts the size of one path's saved values, per order statistic (two per
+    quantile); the values themselves stay on their devices. The per-path solutions,
+    if returned, stay sharded.
+
+    Works with every solver, diffrax's or this package's, since each path is an
+    ordinary [`diffrax.diffeqsolve`][]. Results equal `jax.vmap` of `diffeqsolve` over
+    the same keys, path for path.
+
+    **Arguments:**
+
+    - `terms`: a function `key -> terms`, building the terms of the SDE, with their
+        Brownian motion, from one key of `keys`. For example
+        `lambda key: MultiTerm(ODETerm(f), ControlTerm(g, VirtualBrownianTree(t0, t1,
+        tol, shape, key)))`.
+    - `solver`, `t0`, `t1`, `dt0`, `y0`, `args`, `saveat`: as for
+        [`diffrax.diffeqsolve`][], shared by every path.
+    - `keys`: a one-dimensional array of keys, as from
+        `jax.random.split(jax.random.key(seed), num_paths)` (or legacy raw keys of
+        shape `(num_paths, 2)`): one path per key.
+    - `batch_y0`: if `True`, every array in `y0` has a leading path axis of length
+        `num_paths`, and path $i$ starts from `y0[i]`.
+    - `batch_args`: likewise for `args`.
+    - `reductions`: which of `"mean"` and `"var"` to compute over paths.
+    - `quantiles`: probabilities in $[0, 1]$ at which to compute quantiles over paths,
+        or `None`.
+    - `return_paths`: whether to return the per-path solutions. With `False`, and no
+        `quantiles`, each device keeps only the statistics of the chunk it is solving.
+    - `chunk_size`: how many paths each device solves at once. Defaults to all of its
+        paths.
+    - `mesh`: the [`jax.sharding.Mesh`][] to shard paths over. Defaults to a
+        one-dimensional mesh of all devices, `jax.devices()` (every host's, after
+        `jax.distributed.initialize()`).
+    - `axis_names`: the mesh axes to shard paths over (their product). Defaults to all
+        axes of `mesh`.
+    - `throw`: whether to raise an error if any path fails (for example by running
+        out of `max_steps`). With `False`, see `num_failed` and `paths.result`. On a
+        mesh of several devices the check is made on the host once the solve has
+        finished (so the call blocks), and `throw=True` is not available inside
+        `jax.jit`.
+    - `**diffeqsolve_kwargs`: passed on to [`diffrax.diffeqsolve`][]
+        (`stepsize_controller`, `max_steps`, `adjoint`, ...).
+
+    **Returns:**
+
+    An [`diffrax_linearize.EnsembleSolution`][].
+    """
+    if not callable(terms) or isinstance(terms, diffrax.AbstractTerm):
+        raise TypeError(
+            "`solve_ensemble`: `terms` must be a function `key -> terms` that builds "
+            "the SDE's terms, with its Brownian motion, from one key; got "
+            f"{type(terms).__name__}. Wrap your terms: "
+            "`lambda key: MultiTerm(ODETerm(f), ControlTerm(g, "
+            "VirtualBrownianTree(t0, t1, tol, shape, key)))`."
+        )
+    if not _is_key_array(keys):
+        raise TypeError(
+            "`solve_ensemble`: `keys` must be a one-dimensional array of keys, as from "
+            "`jax.random.split(jax.random.key(seed), num_paths)`, or legacy raw keys "
+            "of shape `(num_paths, 2)`; got "
+            f"{getattr(keys, 'dtype', type(keys).__name__)} of shape "
+            f"{getattr(keys, 'shape', None)}."
+        )
+    num_paths = keys.shape[0]
+    if num_paths == 0:
+        raise ValueError("`solve_ensemble`: `keys` is empty; pass at least one key.")
+    for batched, tree, what in ((batch_y0, y0, "y0"), (batch_args, args, "args")):
+        if batched:
+            size = _leading_size(tree, what)
+            if size is not None and size != num_paths:
+                raise ValueError(
+                    f"`solve_ensemble`: `{what}` is batched with {size} entries along "
+                    f"its leading axis, but there are {num_paths} keys; they must "
+                    "match (one per path)."
+                )
+    reductions = tuple(reductions)
+    for r in reductions:
+        if r not in _REDUCTIONS:
+            raise ValueError(
+                f"`solve_ensemble`: unknown reduction {r!r}; `reductions` may hold "
+                f"{', '.join(map(repr, _REDUCTIONS))}."
+            )
+    if quantiles is not None:
+        quantiles = tuple(float(x) for x in np.ravel(np.asarray(quantiles)))
+        if not all(0.0 <= x <= 1.0 for x in quantiles):
+            raise ValueError(f"`solve_ensemble`: `quantiles` must lie in [0, 1]; got {quantiles}.")
+    if (reductions or quantiles) and saveat.subs is not None:
+        for sub in jtu.tree_leaves(saveat.subs, is_leaf=lambda x: isinstance(x, diffrax.SubSaveAt)):
+            if sub.steps:
+                raise ValueError(
+                    "`solve_ensemble`: with `SaveAt(steps=True)` each path saves at "
+                    "its own times, so reductions over paths are meaningless. Pass "
+                    "`reductions=()` and `quantiles=None`, or save at fixed `ts`."
+                )
+    if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
+        raise ValueError(
+            f"`solve_ensemble`: `chunk_size` must be a positive integer; got {chunk_size}."
+        )
+    if mesh is None:
+        mesh = Mesh(np.asarray(jax.devices()), ("paths",))
+    if axis_names is None:
+        axis_names = tuple(mesh.axis_names)
+    elif isinstance(axis_names, str):
+        axis_names = (axis_names,)
+    else:
+        axis_names = tuple(axis_names)
+    for name in axis_names:
+        if name not in mesh.axis_names:
+            raise ValueError(
+                f"`solve_ensemble`: `axis_names` holds {name!r}, which is not an axis "
+                f"of `mesh` (its axes are {mesh.axis_names})."
+            )
+    num_devices = math.prod(mesh.shape[name] for name in axis_names)
+
+    per_device = -(-num_paths // num_devices)
+    chunk = per_device if chunk_size is None else min(int(chunk_size), per_device)
+    num_chunks = -(-per_device // chunk)
+    padded = num_devices * per_device
+    # `eqx.error_if` raises from a callback; on a mesh of several devices the other
+    # devices then wait forever for it in a collective. So there the check is made on
+    # the host, after the computation.
+    single_device = mesh.size == 1
+    out = _solve_ensemble(
+        terms,
+        solver,
+        t0,
+        t1,
+        dt0,
+        y0,
+        args,
+        keys,
+        batch_y0=batch_y0,
+        batch_args=batch_args,
+        saveat=saveat,
+        reductions=reductions,
+        quantiles=quantiles,
+        return_paths=return_paths,
+        chunk=chunk,
+        num_chunks=num_chunks,
+        per_device=per_device,
+        padded=padded,
+        num_paths=num_paths,
+        mesh=mesh,
+        axis_names=axis_names,
+        error_if_failed=throw and single_device,
+        diffeqsolve_kwargs=diffeqsolve_kwargs,
+    )
+    if throw and not single_device:
+        if isinstance(out.num_failed, jax.core.Tracer):
+            raise ValueError(
+                "`solve_ensemble`: `throw=True` is not supported inside `jax.jit` "
+                "(or other JAX transformations) on a mesh of several devices, as an "
+                "error raised on one device would leave the others waiting. Pass "
+                "`throw=False` and check `EnsembleSolution.num_failed` instead."
+            )
+        if out.num_failed > 0:
+            raise RuntimeError(_FAILED_MSG)
+    return out
+
+
+@eqx.filter_jit
+def _solve_ensemble(
+    terms,
+    solver,
+    t0,
+    t1,
+    dt0,
+    y0,
+    args,
+    keys,
+    *,
+    batch_y0,
+    batch_args,
+    saveat,
+    reductions,
+    quantiles,
+    return_paths,
+    chunk,
+    num_chunks,
+    per_device,
+    padded,
+    num_paths,
+    mesh,
+    axis_names,
+    error_if_failed,
+    diffeqsolve_kwargs,
+):
+    pad = padded - num_paths
+    keys = _pad(keys, pad)
+    mask = jnp.arange(padded) < num_paths
+    batched = (keys, mask)
+    y0_dyn, y0_static = eqx.partition(y0, eqx.is_array)
+    args_dyn, args_static = eqx.partition(args, eqx.is_array)
+    batched = batched + (_pad(y0_dyn, pad) if batch_y0 else None,)
+    batched = batched + (_pad(args_dyn, pad) if batch_args else None,)
+    shared = (
+        None if batch_y0 else y0_dyn,
+        None if batch_args else args_dyn,
+        (t0, t1, dt0),
+    )
+    shared_dyn, shared_static = eqx.partition(
+        (shared, terms, solver, saveat, diffeqsolve_kwargs), eqx.is_array
+    )
+    keep_ys = return_paths or quantiles is not None
+    spec = P(axis_names)
+    static_out = []
+
+    def solve_one(key, y0_i, args_i, shared_dyn):
+        shared, terms, solver, saveat, kwargs = eqx.combine(shared_dyn, shared_static)
+        y0_shared, args_shared, (t0, t1, dt0) = shared
+        y0 = eqx.combine(y0_shared if y0_i is None else y0_i, y0_static)
+        args = eqx.combine(args_shared if args_i is None else args_i, args_static)
+        sol = diffrax.diffeqsolve(
+            terms(key),
+            solver,
+            t0,
+            t1,
+            dt0,
+            y0,
+            args,
+            saveat=saveat,
+            throw=False,
+            **kwargs,
+        )
+        dynamic, static = eqx.partition(sol, eqx.is_array)
+        if not static_out:
+            static_out.append(static)
+        return dynamic
+
+    def on_device(batched, shared_dyn):
+        def per_chunk(batched_chunk):
+            keys, mask, y0_b, args_b = batched_chunk
+            sols = jax.vmap(solve_one, in_axes=(0, 0, 0, None))(keys, y0_b, args_b, shared_dyn)
+            failed = jnp.sum(mask & (sols.result._value != 0), dtype=jnp.int32)
+            if reductions or quantiles is not None:
+                _check_floating(sols.ys)
+            stats = _chunk_stats(sols.ys, mask) if reductions else None
+            ts = None if sols.ts is None else sols.ts[0]
+            return (sols if keep_ys else None), failed, stats, ts
+
+        # Padding for the chunks is local to each device, so that slicing it off
+        # again moves no data between devices.
+        local_pad = num_chunks * chunk - per_device
+        keys, mask, y0_b, args_b = batched
+        keys, y0_b, args_b = _pad((keys, y0_b, args_b), local_pad)
+        mask = jnp.concatenate([mask, jnp.zeros(local_pad, bool)])
+        chunked = jtu.tree_map(
+            lambda x: x.reshape((num_chunks, chunk) + x.shape[1:]),
+            (keys, mask, y0_b, args_b),
+        )
+        sols, failed, stats, ts = jax.lax.map(per_chunk, chunked)
+        ts = None if ts is None else ts[0]
+        unchunk = lambda x: x.reshape((num_chunks * chunk,) + x.shape[2:])[:per_device]
+        sols = jtu.tree_map(unchunk, sols)
+        mask = mask[:per_device]
+        failed = jax.lax.psum(jnp.sum(failed), axis_names)
+        if reductions:
+            mean, var = _combine_stats(*stats, axis_names, num_paths)
+        else:
+            mean = var = None
+        if quantiles is None:
+            qs = None
+        else:
+            qs = _quantiles(sols.ys, mask, quantiles, num_paths, axis_names)
+        if not return_paths:
+            sols = None
+        return sols, failed, mean, var, qs, ts
+
+    sols, failed, mean, var, qs, ts = jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(spec, P()),
+        out_specs=(spec, P(), P(), P(), P(), P()),
+        # Each path's solve mixes replicated inputs (`y0`, the solver) with per-device
+        # ones (the keys) inside diffrax's loops; the outputs above are replicated by
+        # construction (`psum`; `ts` is the same on every device), so the
+        # varying-manual-axes check is not needed.
+        check_vma=False,
+    )(batched, shared_dyn)
+
+    if error_if_failed:
+        failed = eqx.error_if(failed, failed > 0, _FAILED_MSG)
+    if sols is not None:
+        if pad:
+            # An axis that the devices do not divide evenly cannot stay sharded: XLA
+            # gathers it. (Documented in `solve_ensemble`.)
+            sols = jtu.tree_map(lambda x: x[:num_paths], sols)
+        sols = eqx.combine(sols, static_out[0])
+    return EnsembleSolution(
+        paths=sols,
+        ts=ts,
+        mean=mean if "mean" in reductions else None,
+        var=var if "var" in reductions else None,
+        quantiles=qs,
+        num_failed=failed,
+        num_paths=num_paths,
+    )
