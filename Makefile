@@ -29,6 +29,7 @@ test: $(STAMP) lint
 
 docs: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
+	$(PY) -m benchmarks.report
 	$(VENV)/bin/mkdocs build --strict
 
 clean:

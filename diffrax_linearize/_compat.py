@@ -23,14 +23,39 @@ DropVar = jex_core.DropVar
 _ALIASES = {"jit": ("jit", "pjit"), "add_jaxvals": ("add_jaxvals", "add_any")}
 
 
+def _internal_prims():
+    """Primitives that `jax.extend.core.primitives` does not export in every version."""
+    found = {}
+    try:
+        from jax._src.lax import lax as _lax_internal
+
+        for name in ("split", "tile"):
+            p = getattr(_lax_internal, f"{name}_p", None)
+            if p is not None:
+                found[name] = p
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from lineax._solve import linear_solve_p as _lineax_solve_p
+
+        found["lineax_linear_solve"] = _lineax_solve_p
+    except ImportError:  # pragma: no cover
+        pass
+    return found
+
+
+_INTERNAL = _internal_prims()
+
+
 def prim(name: str) -> Primitive | None:
-    """The primitive `name_p` from `jax.extend.core.primitives`, or `None` where this JAX
-    version does not have it (its equations then take the exact dense fallback)."""
+    """The primitive `name_p` from `jax.extend.core.primitives` (or, for the few it does not
+    export, from JAX's or lineax's internals), or `None` where this version does not have
+    it (its equations then take the exact dense fallback)."""
     for alias in _ALIASES.get(name, (name,)):
         p = getattr(_prims, f"{alias}_p", None)
         if p is not None:
             return p
-    return None
+    return _INTERNAL.get(name)
 
 
 def bind_eqn(eqn: JaxprEqn, invals):

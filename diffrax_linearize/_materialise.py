@@ -214,7 +214,7 @@ def _structured_jacobian(spec: _Spec, consts, diff, rest):
         n_in = sum(math.prod(s) for s in in_shapes)
         n_out = sum(math.prod(a.shape) for a in out_avals)
         mode = "reverse" if n_out < n_in else "forward"
-    if mode == "reverse" and all(jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals):
+    if mode == "reverse" and all(jnp.issubdtype(a.dtype, jnp.floating) for a in out_avals):
         try:
             return _reverse(f_jvp, diff, out_avals)
         except Exception:  # e.g. a `while` loop cannot be transposed: go forward instead
@@ -266,7 +266,8 @@ def _run_dense(spec: _Spec, consts, diff, rest):
         for p, b in enumerate(row):
             shape = tuple(aval.shape) + tuple(jnp.shape(diff[p]))
             if dtype == jax.dtypes.float0:
-                cells.append(np.zeros(shape, jax.dtypes.float0))
+                # As `jax.jacfwd` does: zeros of the output's own (integer) dtype.
+                cells.append(jnp.zeros(shape, aval.dtype))
             elif b is None:
                 cells.append(jnp.zeros(shape, dtype))
             else:
@@ -314,9 +315,9 @@ def _trace(fn, args, argnums, holomorphic, api):
         d = jtu.tree_unflatten(diff_tree, flat[: len(diff_leaves)])
         o = eqx.combine(jtu.tree_unflatten(other_tree, flat[len(diff_leaves) :]), static_others)
         d = (d,) if isinstance(argnums, int) else d
-        full, it_d, it_o = [], iter(d), iter(o)
+        full, by_pos, it_o = [], dict(zip(nums, d)), iter(o)  # argnums in any order
         for i in range(len(args)):
-            full.append(next(it_d) if i in nums else next(it_o))
+            full.append(by_pos[i] if i in nums else next(it_o))
         out = fn(*full)
         leaves, tree = jtu.tree_flatten(out)
         for leaf in leaves:
@@ -405,10 +406,10 @@ def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.Abstra
     if b is None:
         zeros = jnp.zeros(tuple(out_aval.shape) + tuple(in_shape), out_aval.dtype)
         return lx.PyTreeLinearOperator(zeros, out_struct)
-    kind = b.kind()
-    if kind == "identity" and out_aval.dtype == in_dtype:
+    kind = b.kind() if out_aval.dtype == in_dtype else "dtype-changing"
+    if kind == "identity":
         return lx.IdentityLinearOperator(in_struct, out_struct)
-    if kind in ("identity", "scaled_identity", "diagonal"):
+    if kind in ("scaled_identity", "diagonal"):
         c = b.canonical()
         diag = jnp.broadcast_to(
             jnp.asarray(c.val, dtype=out_aval.dtype).reshape(
@@ -455,7 +456,20 @@ def materialise_operator(
         raise TypeError(f"`{api}`: `argnums` must be a single int, got {argnums!r}.")
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, False, api)
     spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=True)
-    return _run_operator(spec, list(closed.consts), diff, rest, diff_tree, out_tree)
+    op = _run_operator(spec, list(closed.consts), diff, rest, diff_tree, out_tree)
+    out_avals = [v.aval for v in closed.jaxpr.outvars]
+    if len(diff) == 1 and len(out_avals) == 1 and out_avals[0].dtype != diff[0].dtype:
+        # lineax's matrix operators take their input dtype from the matrix: a map that
+        # changes dtype is given as a function of its input instead.
+        in_struct = jax.eval_shape(lambda: diff_tree.unflatten(diff))
+        out_dtype = out_avals[0].dtype
+
+        def mv(v):
+            v = jtu.tree_map(lambda a: jnp.asarray(a).astype(out_dtype), v)
+            return op.mv(v)
+
+        return lx.FunctionLinearOperator(mv, in_struct)
+    return op
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))

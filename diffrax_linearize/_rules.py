@@ -411,7 +411,7 @@ def _dynamic_slice_rule(ctx, eqn, vals):
     for p, b in x.blocks.items():
 
         def fn(v, va):
-            idx = [0] * v.ndim
+            idx = [jnp.zeros_like(starts[0]) if starts else 0] * v.ndim  # starts' int type
             sz = list(v.shape)
             for k, a in zip(axes, va):
                 idx[a] = starts[k]
@@ -468,6 +468,48 @@ def _concatenate_rule(ctx, eqn, vals):
             parts.append(Lin(blocks, aval.shape, aval.dtype))
         offset += size
     return [_sum_lins(parts, aval.shape, aval.dtype)]
+
+
+@register_rule(prim("split"))
+def _split_rule(ctx, eqn, vals):
+    (x,) = vals
+    axis = eqn.params["axis"]
+    outs = []
+    start = 0
+    for v in eqn.outvars:
+        size = v.aval.shape[axis]
+        blocks = {}
+        for p, b in x.blocks.items():
+
+            def fn(val, va, start=start, size=size):
+                return lax.slice_in_dim(val, start, start + size, axis=va[0])
+
+            val, bb = _densify_and(b, [axis], fn)
+            blocks[p] = _cast(_rebuild_out(bb, val, v.aval.shape), v.aval.dtype)
+        outs.append(Lin(blocks, v.aval.shape, v.aval.dtype))
+        start += size
+    return outs
+
+
+@register_rule(prim("tile"))
+def _tile_rule(ctx, eqn, vals):
+    """`tile` is a broadcast to `(r, n)` along each tiled axis followed by a merge."""
+    (x,) = vals
+    reps = eqn.params["reps"]
+    aval = _out_aval(eqn)
+    blocks = {}
+    for p, b in x.blocks.items():
+        axes = [k for k, r in enumerate(reps) if r != 1]
+        val, bb = _densify_and(b, axes, lambda v, va: v)
+        for k, a in zip(axes, _val_axes(bb, axes)):
+            val = jnp.concatenate([val] * reps[k], axis=a)
+        blocks[p] = _cast(_rebuild_out(bb, val, aval.shape), aval.dtype)
+    return [Lin(blocks, aval.shape, aval.dtype)]
+
+
+def _val_axes(block: Struct, axes):
+    """Positions in `val` of the given (dense) out axes of a canonical block."""
+    return [block.val_labels.index(block.out_labels[k]) for k in axes]
 
 
 @register_rule(prim("reduce_sum"))
@@ -657,6 +699,7 @@ def _dot_general_rule(ctx, eqn, vals):
     prim("triangular_solve"),
     prim("linear_solve"),
     prim("tridiagonal_solve"),
+    prim("lineax_linear_solve"),
 )
 def _along_out_rule(ctx, eqn, vals):
     """These primitives are linear in their floating inputs given their integer ones
@@ -687,9 +730,14 @@ def _call_rule(ctx, eqn, vals):
 
 @register_rule(prim("cond"))
 def _cond_rule(ctx, eqn, vals):
+    """A known index interprets the taken branch. A traced index interprets every branch
+    once to learn its output structures, joins them, and selects with `lax.switch`
+    between branches that each conform their blocks to the joined structure: only the
+    taken branch runs, and the structure the branches share is kept."""
     index, *ops = vals
     if isinstance(index, Lin):
         return NotImplemented
+    branches = eqn.params["branches"]
     try:
         i = int(np.asarray(index))
     except (
@@ -697,8 +745,60 @@ def _cond_rule(ctx, eqn, vals):
         jax.errors.ConcretizationTypeError,
         jax.errors.TracerArrayConversionError,
     ):
-        return dense_fallback(ctx, eqn, vals)
-    branches = eqn.params["branches"]
-    i = min(max(i, 0), len(branches) - 1)
-    branch = branches[i]
-    return interpret(ctx, branch.jaxpr, branch.consts, ops)
+        i = None
+    if i is not None:
+        branch = branches[min(max(i, 0), len(branches) - 1)]
+        return interpret(ctx, branch.jaxpr, branch.consts, ops)
+
+    def run(branch):
+        return interpret(ctx, branch.jaxpr, branch.consts, ops)
+
+    dry = [run(branch) for branch in branches]
+    n_out = len(eqn.outvars)
+    linear = [any(isinstance(outs[k], Lin) for outs in dry) for k in range(n_out)]
+    templates: list[dict[int, Struct]] = [{} for _ in range(n_out)]
+    for k in range(n_out):
+        if not linear[k]:
+            continue
+        dtype = eqn.outvars[k].aval.dtype
+        for outs in dry:
+            if isinstance(outs[k], Lin):
+                for p, b in outs[k].blocks.items():
+                    b = _cast(b, dtype)
+                    templates[k][p] = add(templates[k][p], b) if p in templates[k] else b
+    zeros = [
+        {p: t.with_val(jnp.zeros(jnp.shape(t.val), t.dtype)) for p, t in templates[k].items()}
+        for k in range(n_out)
+    ]
+
+    def conformed(branch):
+        def fn():
+            outs = run(branch)
+            flat = []
+            for k in range(n_out):
+                if not linear[k]:
+                    flat.append(outs[k])
+                    continue
+                blocks = outs[k].blocks if isinstance(outs[k], Lin) else {}
+                for p, zero in zeros[k].items():
+                    if p in blocks:
+                        b = add(_cast(blocks[p], zero.dtype), zero)
+                        assert b.structure_key() == zero.structure_key()
+                        flat.append(jnp.asarray(b.canonical().val, zero.dtype))
+                    else:
+                        flat.append(zero.val)
+            return flat
+
+        return fn
+
+    flat = lax.switch(jnp.clip(index, 0, len(branches) - 1), [conformed(b) for b in branches])
+    it = iter(flat)
+    results = []
+    for k in range(n_out):
+        aval = eqn.outvars[k].aval
+        if not linear[k]:
+            results.append(next(it))
+            continue
+        blocks = {p: zero.with_val(next(it)) for p, zero in zeros[k].items()}
+        results.append(Lin(blocks, aval.shape, aval.dtype))
+    return results

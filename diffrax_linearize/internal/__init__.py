@@ -16,4 +16,8 @@ from .._interpreter import (
     registered_primitives as registered_primitives,
 )
 from .._materialise import structured_blocks as structured_blocks
+from .._squared_grads import (
+    register_structural_rule as register_structural_rule,
+    register_use_rule as register_use_rule,
+)
 from .._structure import add as add, contract as contract, Struct as Struct

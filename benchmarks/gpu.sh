@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole benchmark suite on an NVIDIA GPU machine, in one prepared command (< 8 min).
+#
+# That machine has no network: its Python already has jax with CUDA, diffrax, equinox and
+# lineax, so the package is installed without dependencies. Results land in
+# benchmarks/results/ (named by platform and device) and, when $OUT is set (the device
+# tool of this workplace), are copied there too.
+#
+#   bash benchmarks/gpu.sh            # everything, full sizes where they fit the budget
+#   QUICK=1 bash benchmarks/gpu.sh    # smoke run
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false MPLBACKEND=Agg
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
+  || python3 -m pip install -q --no-deps -e .
+python3 -c "import jax; print(jax.__version__, jax.devices())"
+flag=""; [ "${QUICK:-0}" = 1 ] && flag="--quick"
+status=0
+for name in step-cost materialise adjoint squared-grads work-precision ensemble; do
+  echo "=== $name"
+  timeout "${BENCH_TIMEOUT:-150}" python3 -m benchmarks "$name" $flag || { echo "!!! $name failed or timed out"; status=1; }
+done
+if [ -n "${OUT:-}" ]; then
+  # The device tool returns at most 8 files: every JSON, and the two main plots.
+  cp benchmarks/results/*-gpu-*.json "$OUT"/ 2>/dev/null || true
+  cp benchmarks/results/step_cost-gpu-*.png benchmarks/results/materialise-gpu-*.png "$OUT"/ 2>/dev/null || true
+fi
+exit $status

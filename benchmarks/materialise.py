@@ -1,0 +1,218 @@
+"""`diffrax_linearize.materialise` against `jax.jacfwd`, `lineax.materialise` of a
+`lineax.FunctionLinearOperator`, and a jitted copy of the matrix (the floor).
+
+Problems (float32, 2-core CPU in the issue's acceptance):
+
+- `A @ x` for N in {500, 1000, 2000, 4000}: run and compile time, jitted, `A` an argument.
+- `B @ tanh(A @ x)` at the same N: `jax.jacfwd` against ours.
+- the first un-jitted call with `A` closed over, N=3000: `materialise(f, x)` against the
+  first call of `jax.jit(jax.jacfwd(f))` (compilation included), and whether our result is
+  `A` bit for bit.
+
+    python benchmarks/materialise.py [--quick]
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import matplotlib
+import numpy as np
+
+
+matplotlib.use("Agg")
+import diffrax_linearize as dl
+import matplotlib.pyplot as plt
+
+
+try:
+    from benchmarks._common import block, markdown_table, plot_path, time_compiled, write_results
+except ImportError:  # run as a script from inside benchmarks/
+    from _common import (  # pyright: ignore[reportMissingImports]
+        block,
+        markdown_table,
+        plot_path,
+        time_compiled,
+        write_results,
+    )
+
+
+def _matrix(n, seed):
+    return jnp.asarray(np.random.RandomState(seed).randn(n, n) / np.sqrt(n), dtype=jnp.float32)
+
+
+# ---- A @ x, jitted, A an argument ------------------------------------------------------
+
+
+def _linear_methods():
+    def jacfwd(x, A):
+        return jax.jacfwd(lambda x: A @ x)(x)
+
+    def lineax_materialise(x, A):
+        op = lx.FunctionLinearOperator(lambda x: A @ x, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return lx.materialise(op).as_matrix()
+
+    def ours(x, A):
+        return dl.materialise(lambda x: A @ x, x)
+
+    def copy(x, A):
+        return jnp.copy(A)
+
+    return {
+        "jax.jacfwd": jacfwd,
+        "lineax.materialise": lineax_materialise,
+        "ours": ours,
+        "copy of A": copy,
+    }
+
+
+def _nonlinear_methods():
+    def f(x, A, B):
+        return B @ jnp.tanh(A @ x)
+
+    def jacfwd(x, A, B):
+        return jax.jacfwd(f)(x, A, B)
+
+    def ours(x, A, B):
+        return dl.materialise(f, x, A, B)
+
+    return {"jax.jacfwd": jacfwd, "ours": ours}
+
+
+def _repeats(n):
+    return 7 if n <= 1000 else 3
+
+
+def _first_call(n):
+    """The first un-jitted call with `A` closed over: ours against the first call of
+    `jax.jit(jax.jacfwd(f))`. A fresh matrix and a shape seen nowhere else, so that no cache
+    is warm."""
+    A = _matrix(n, 7)
+    x = jnp.ones((n,), jnp.float32)
+    block(A)
+    t0 = time.perf_counter()
+    ours = block(dl.materialise(lambda x: A @ x, x))
+    ours_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ref = block(jax.jit(jax.jacfwd(lambda x: A @ x))(x))
+    ref_s = time.perf_counter() - t0
+    bitwise = bool(np.array_equal(np.asarray(ours), np.asarray(A)))
+    close = bool(np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-4, atol=1e-5))
+    return [
+        {
+            "problem": "first call A @ x",
+            "N": n,
+            "method": "ours (eager)",
+            "first_s": ours_s,
+            "bitwise_equal": bitwise,
+            "matches_jacfwd": close,
+        },
+        {
+            "problem": "first call A @ x",
+            "N": n,
+            "method": "jax.jit(jax.jacfwd) first call",
+            "first_s": ref_s,
+        },
+    ]
+
+
+def run(quick: bool = False) -> list[dict]:
+    sizes = [500, 1000] if quick else [500, 1000, 2000, 4000]
+    first_n = 1000 if quick else 3000
+    rows = []
+    for n in sizes:
+        A, B = _matrix(n, 0), _matrix(n, 1)
+        x = jnp.asarray(np.random.RandomState(2).randn(n), dtype=jnp.float32)
+        for name, fn in _linear_methods().items():
+            t = time_compiled(fn, x, A, repeats=_repeats(n))
+            rows.append({"problem": "A @ x", "N": n, "method": name, **t})
+        for name, fn in _nonlinear_methods().items():
+            t = time_compiled(fn, x, A, B, repeats=_repeats(n))
+            rows.append({"problem": "B @ tanh(A @ x)", "N": n, "method": name, **t})
+        # Check the timed programs agree (outside the timings).
+        ours = jax.jit(_linear_methods()["ours"])(x, A)
+        assert np.array_equal(np.asarray(ours), np.asarray(A)), "ours is not A bit for bit"
+    rows += _first_call(first_n)
+
+    columns = [
+        ("problem", "problem"),
+        ("N", "N"),
+        ("method", "method"),
+        ("run_s", "run (median)"),
+        ("compile_s", "compile"),
+        ("first_s", "first call"),
+        ("bitwise_equal", "== A bit for bit"),
+    ]
+    print(markdown_table(rows, columns))
+    ratios = _ratios(rows, sizes, first_n)
+    print()
+    for key, value in ratios.items():
+        print(f"- {key}: {value:.3g}" if value is not None else f"- {key}: —")
+    path = write_results("materialise", rows, ratios=ratios, quick=quick)
+    _plot(rows, sizes)
+    print(f"\nResults: {path}\nPlot: {plot_path('materialise')}")
+    return rows
+
+
+def _get(rows, problem, n, method, key="run_s"):
+    for r in rows:
+        if r["problem"] == problem and r["N"] == n and r["method"] == method:
+            return r.get(key)
+    return None
+
+
+def _ratios(rows, sizes, first_n):
+    """The issue's acceptance ratios. In a quick run the sizes asked for may be missing:
+    the largest run size stands in."""
+    n_lin = 2000 if 2000 in sizes else sizes[-1]
+    n_tanh = 1000 if 1000 in sizes else sizes[-1]
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    ours = _get(rows, "A @ x", n_lin, "ours")
+    return {
+        f"A @ x, N={n_lin}: jacfwd / ours (want >= 20)": ratio(
+            _get(rows, "A @ x", n_lin, "jax.jacfwd"), ours
+        ),
+        f"A @ x, N={n_lin}: ours / copy of A (want <= 2)": ratio(
+            ours, _get(rows, "A @ x", n_lin, "copy of A")
+        ),
+        f"B @ tanh(A @ x), N={n_tanh}: ours / jacfwd (want <= 0.6)": ratio(
+            _get(rows, "B @ tanh(A @ x)", n_tanh, "ours"),
+            _get(rows, "B @ tanh(A @ x)", n_tanh, "jax.jacfwd"),
+        ),
+        f"first call, N={first_n}: ours / jit(jacfwd) (want <= 0.333)": ratio(
+            _get(rows, "first call A @ x", first_n, "ours (eager)", "first_s"),
+            _get(rows, "first call A @ x", first_n, "jax.jit(jax.jacfwd) first call", "first_s"),
+        ),
+    }
+
+
+def _plot(rows, sizes):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, problem in zip(axes, ["A @ x", "B @ tanh(A @ x)"]):
+        methods = dict.fromkeys(r["method"] for r in rows if r["problem"] == problem)
+        for method in methods:
+            run = [_get(rows, problem, n, method) for n in sizes]
+            comp = [_get(rows, problem, n, method, "compile_s") for n in sizes]
+            (line,) = ax.loglog(sizes, run, "o-", label=f"{method} (run)")
+            ax.loglog(
+                sizes, comp, "x--", color=line.get_color(), alpha=0.5, label=f"{method} (compile)"
+            )
+        ax.set_title(f"Jacobian of {problem}, float32")
+        ax.set_xlabel("N")
+        ax.set_ylabel("seconds (median)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plot_path("materialise"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="N in {500, 1000}, seconds")
+    run(quick=parser.parse_args().quick)

@@ -1,0 +1,108 @@
+"""Shared test utilities: tree comparison and counting matrix-matrix products in a
+traced program."""
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+
+def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8, check_dtype=True) -> bool:
+    """Same tree structure, and every pair of leaves has the same shape (and dtype) and is
+    close."""
+    x_leaves, x_tree = jtu.tree_flatten(x)
+    y_leaves, y_tree = jtu.tree_flatten(y)
+    if x_tree != y_tree:
+        return False
+    for a, b in zip(x_leaves, y_leaves):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape:
+            return False
+        if check_dtype and a.dtype != b.dtype:
+            return False
+        if a.dtype == jax.dtypes.float0 or b.dtype == jax.dtypes.float0:
+            continue
+        if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+            return False
+    return True
+
+
+def assert_tree_allclose(actual, expected, *, rtol=1e-5, atol=1e-8, check_dtype=True):
+    """As `tree_allclose`, with a message saying which leaf differs and by how much."""
+    a_leaves, a_tree = jtu.tree_flatten(actual)
+    e_leaves, e_tree = jtu.tree_flatten(expected)
+    assert a_tree == e_tree, f"tree structures differ:\n{a_tree}\n{e_tree}"
+    for k, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, f"leaf {k}: shape {a.shape} != {e.shape}"
+        if check_dtype:
+            assert a.dtype == e.dtype, f"leaf {k}: dtype {a.dtype} != {e.dtype}"
+        if a.dtype == jax.dtypes.float0:
+            continue
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"leaf {k}")
+
+
+# ---- counting matrix-matrix products ----------------------------------------------------
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if hasattr(item, "eqns"):
+                yield item
+            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+                yield item.jaxpr
+
+
+def _is_var(v) -> bool:
+    # Literals have a `val`; variables do not.
+    return not hasattr(v, "val")
+
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call")
+
+
+def _is_matmul(eqn) -> bool:
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars
+    lhs_free = lhs.aval.ndim - len(lhs_contract) - len(lhs_batch)
+    rhs_free = rhs.aval.ndim - len(rhs_contract) - len(rhs_batch)
+    return lhs_free > 0 and rhs_free > 0
+
+
+def _count_live(jaxpr, live_out: list[bool]) -> tuple[int, list[bool]]:
+    """Matrix-matrix `dot_general`s that contribute to the outputs marked live; returns the
+    count and which inputs are live. Equations are walked backwards from the outputs; a
+    call-like equation is recursed into with its live outputs, so dead code inside `jit`
+    (such as the primal `A @ x` of `jax.linearize`) is not counted."""
+    live = {v for v, keep in zip(jaxpr.outvars, live_out) if keep and _is_var(v)}
+    count = 0
+    for eqn in reversed(jaxpr.eqns):
+        out_live = [v in live for v in eqn.outvars]
+        if not any(out_live) and not eqn.effects:
+            continue
+        name = eqn.primitive.name
+        subs = list(_subjaxprs(eqn))
+        if name in _CALLS and len(subs) == 1:
+            c, in_live = _count_live(subs[0], out_live)
+            count += c
+            live.update(v for v, keep in zip(eqn.invars, in_live) if keep and _is_var(v))
+            continue
+        if name == "dot_general" and _is_matmul(eqn):
+            count += 1
+        for sub in subs:  # control flow: every equation of each branch/body counts
+            count += _count_live(sub, [True] * len(sub.outvars))[0]
+        live.update(v for v in eqn.invars if _is_var(v))
+    in_live = [v in live for v in jaxpr.invars]
+    return count, in_live
+
+
+def count_matmuls(fn, *args) -> int:
+    """The number of live matrix-matrix products (`dot_general`s where both operands keep
+    free, non-contracting non-batch, dimensions) in `jax.make_jaxpr(fn)(*args)`."""
+    closed = jax.make_jaxpr(fn)(*args)
+    return _count_live(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[0]
+
+
+def random_normal(key, shape, dtype=jnp.float64):
+    return jax.random.normal(key, shape, dtype=dtype)

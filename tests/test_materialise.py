@@ -1,0 +1,977 @@
+"""`materialise` and `materialise_operator` against `jax.jacfwd` (or `jax.jacrev` where
+`jax.jacfwd` cannot run): one case per structure rule, pytrees, transformations, the
+structure of the traced program, caching, and errors."""
+
+import diffrax_linearize as dl
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.scipy as jsp
+import jax.tree_util as jtu
+import lineax as lx
+import numpy as np
+import pytest
+from diffrax_linearize import _materialise
+from helpers import assert_tree_allclose, count_matmuls
+
+
+_TOL = {jnp.float32: dict(rtol=2e-4, atol=2e-5), jnp.float64: dict(rtol=1e-10, atol=1e-12)}
+
+
+def _const(shape, seed, dtype, positive=False):
+    """A fixed random constant, cast to the inputs' dtype."""
+    c = np.random.RandomState(seed).randn(*shape)
+    if positive:
+        c = 1.5 + np.abs(c)
+    return jnp.asarray(c, dtype=dtype)
+
+
+def _input(shape, dtype, seed=0):
+    return jnp.asarray(np.random.RandomState(100 + seed).randn(*shape), dtype=dtype)
+
+
+# ---- one case per rule ----------------------------------------------------------------
+#
+# Each case is `make(dtype) -> (fn, args)`; `argnums` is 0 unless the case says otherwise.
+# Constants are built from the dtype so that float32 cases stay float32.
+
+CASES = {}
+
+
+def case(name, *, reference="jacfwd", modes=("forward", "reverse"), argnums=0):
+    def decorator(make):
+        CASES[name] = (make, reference, modes, argnums)
+        return make
+
+    return decorator
+
+
+@case("neg")
+def _(dt):
+    return lambda x: -x, (_input((3, 4), dt),)
+
+
+@case("complex")
+def _(dt):
+    return lambda x: lax.complex(x, 2 * x), (_input((4,), dt),)
+
+
+@case("conj")
+def _(dt):
+    return lambda x: jnp.conj(lax.complex(x, jnp.sin(x))) * (1 + 2j), (_input((4,), dt),)
+
+
+@case("real_imag")
+def _(dt):
+    def fn(x):
+        z = lax.complex(x, x**2) * (1 - 3j)
+        return 2 * jnp.real(z) + jnp.imag(z)
+
+    return fn, (_input((4,), dt),)
+
+
+@case("convert_element_type")
+def _(dt):
+    other = jnp.float64 if dt == jnp.float32 else jnp.float32
+    return lambda x: (3 * x).astype(other).astype(dt) * 2, (_input((4,), dt),)
+
+
+@case("copy")
+def _(dt):
+    return lambda x: jnp.copy(2 * x), (_input((3, 2), dt),)
+
+
+# `jax.jacfwd` and `jax.jacrev` differ here (the tangent is rounded after the scaling, the
+# cotangent before it): each mode is compared with its own reference.
+@case("reduce_precision", reference="per-mode")
+def _(dt):
+    return lambda x: lax.reduce_precision(0.1 * x, exponent_bits=5, mantissa_bits=4), (
+        _input((4,), dt),
+    )
+
+
+@case("transpose_2d")
+def _(dt):
+    return lambda x: x.T, (_input((3, 4), dt),)
+
+
+@case("transpose_3d")
+def _(dt):
+    return lambda x: jnp.transpose(x, (2, 0, 1)), (_input((2, 3, 4), dt),)
+
+
+@case("broadcast_new_axes")
+def _(dt):
+    return lambda x: jnp.broadcast_to(x, (2, 3, 4)), (_input((3, 4), dt),)
+
+
+@case("broadcast_size_one")
+def _(dt):
+    return lambda x: jnp.broadcast_to(x, (3, 4)), (_input((3, 1), dt),)
+
+
+@case("broadcast_in_dim_middle")
+def _(dt):
+    return lambda x: lax.broadcast_in_dim(x, (3, 2, 4, 1), (0, 2, 3)), (_input((3, 1, 1), dt),)
+
+
+@case("broadcast_scalar")
+def _(dt):
+    return lambda x: jnp.broadcast_to(x, (2, 3)), (_input((), dt),)
+
+
+@case("reshape_merge")
+def _(dt):
+    return lambda x: x.reshape(6, 4), (_input((2, 3, 4), dt),)
+
+
+@case("reshape_split")
+def _(dt):
+    return lambda x: x.reshape(2, 3, 4), (_input((6, 4), dt),)
+
+
+@case("reshape_add_size_one")
+def _(dt):
+    return lambda x: x.reshape(3, 1, 4, 1), (_input((3, 4), dt),)
+
+
+@case("reshape_remove_size_one")
+def _(dt):
+    return lambda x: x.reshape(3, 4), (_input((1, 3, 1, 4), dt),)
+
+
+@case("reshape_regroup")
+def _(dt):
+    return lambda x: x.reshape(3, 2, 2), (_input((2, 6), dt),)
+
+
+@case("reshape_of_diagonal")
+def _(dt):
+    return lambda x: jnp.sin(x).reshape(4, 3).T, (_input((2, 6), dt),)
+
+
+@case("squeeze")
+def _(dt):
+    return lambda x: lax.squeeze(x, (1,)), (_input((3, 1, 4), dt),)
+
+
+@case("expand_dims")
+def _(dt):
+    return lambda x: jnp.expand_dims(x, (0, 2)), (_input((3, 4), dt),)
+
+
+@case("rev")
+def _(dt):
+    return lambda x: x[::-1, ::-1] + lax.rev(x, (1,)), (_input((3, 4), dt),)
+
+
+@case("slice_strided")
+def _(dt):
+    return lambda x: x[1:6:2, ::3], (_input((7, 5), dt),)
+
+
+@case("slice_of_dense")
+def _(dt):
+    A = _const((6, 6), 1, dt)
+    return lambda x: (A @ x)[1:5:2], (_input((6,), dt),)
+
+
+@case("dynamic_slice")
+def _(dt):
+    return lambda x: lax.dynamic_slice(x, (1, 2), (2, 2)), (_input((4, 5), dt),)
+
+
+@case("dynamic_slice_traced_index", argnums=0)
+def _(dt):
+    return lambda x, i: lax.dynamic_slice(x, (i,), (3,)), (_input((6,), dt), jnp.int32(2))
+
+
+@case("dynamic_update_slice_operand")
+def _(dt):
+    upd = _const((2,), 2, dt)
+    return lambda x: lax.dynamic_update_slice(x, upd, (1,)), (_input((5,), dt),)
+
+
+@case("dynamic_update_slice_update")
+def _(dt):
+    base = _const((6,), 3, dt)
+    return lambda x: lax.dynamic_update_slice(base, 2 * x[:3], (2,)), (_input((4,), dt),)
+
+
+@case("dynamic_update_slice_both")
+def _(dt):
+    return lambda x: lax.dynamic_update_slice(x, jnp.sin(x[:2]), (3,)), (_input((5,), dt),)
+
+
+@case("pad_negative_interior")
+def _(dt):
+    return lambda x: lax.pad(x, jnp.zeros((), dt), [(1, -1, 1), (-1, 2, 0)]), (_input((3, 4), dt),)
+
+
+@case("pad_linear_padding_value")
+def _(dt):
+    return lambda x: lax.pad(x, x[0], [(2, 1, 2)]), (_input((3,), dt),)
+
+
+@case("concatenate")
+def _(dt):
+    c = _const((2, 3), 4, dt)
+    return lambda x: jnp.concatenate([x, 2 * x, c], axis=0), (_input((2, 3), dt),)
+
+
+@case("concatenate_axis1")
+def _(dt):
+    A = _const((2, 2), 5, dt)
+    return lambda x: jnp.concatenate([jnp.sin(x), A @ x], axis=1), (_input((2, 3), dt),)
+
+
+@case("reduce_sum")
+def _(dt):
+    return lambda x: (x.sum(0), x.sum(), x.sum((0, 2))), (_input((2, 3, 4), dt),)
+
+
+@case("cumsum")
+def _(dt):
+    return lambda x: jnp.cumsum(x, axis=1), (_input((3, 4), dt),)
+
+
+@case("cumsum_reverse")
+def _(dt):
+    return lambda x: lax.cumsum(x, axis=0, reverse=True), (_input((4, 2), dt),)
+
+
+@case("mul_scalar_constant")
+def _(dt):
+    return lambda x: 3 * x * 2.5, (_input((3, 4), dt),)
+
+
+@case("mul_full_constant")
+def _(dt):
+    c = _const((3, 4), 6, dt)
+    return lambda x: c * x, (_input((3, 4), dt),)
+
+
+@case("mul_broadcast_size_one")
+def _(dt):
+    c = _const((1, 4), 7, dt)
+    d = _const((3, 1), 8, dt)
+    return lambda x: c * x * d, (_input((3, 4), dt),)
+
+
+@case("div_constants")
+def _(dt):
+    c = _const((3, 4), 9, dt, positive=True)
+    return lambda x: (x / c, x / 3.0, x / c[:1]), (_input((3, 4), dt),)
+
+
+@case("add_sub_scalar")
+def _(dt):
+    return lambda x: (x + 1.0, 2.0 - x, x - x.sum(), x.sum() + x), (_input((3, 4), dt),)
+
+
+@case("add_broadcast_lin")
+def _(dt):
+    return lambda x: x[:, :1] + x - x[:1, :], (_input((3, 4), dt),)
+
+
+@case("dot_matvec")
+def _(dt):
+    A = _const((5, 4), 10, dt)
+    return lambda x: A @ x, (_input((4,), dt),)
+
+
+@case("dot_matmul_rhs")
+def _(dt):
+    A = _const((5, 4), 11, dt)
+    return lambda x: A @ x, (_input((4, 3), dt),)
+
+
+@case("dot_matmul_lhs")
+def _(dt):
+    W = _const((4, 3), 12, dt)
+    return lambda x: x @ W, (_input((2, 4), dt),)
+
+
+@case("dot_vecmat")
+def _(dt):
+    W = _const((4, 3), 13, dt)
+    return lambda x: x @ W, (_input((4,), dt),)
+
+
+@case("dot_batched_einsum")
+def _(dt):
+    C = _const((2, 3, 4), 14, dt)
+    return lambda x: (
+        jnp.einsum("bij,bjk->bik", C, x),
+        jnp.einsum("bjk,bij->bki", x, C),
+    ), (_input((2, 4, 3), dt),)
+
+
+@case("dot_multi_contraction")
+def _(dt):
+    C = _const((5, 3, 4), 15, dt)
+    return lambda x: (jnp.tensordot(C, x, axes=2), jnp.tensordot(x, C, axes=[(0, 1), (1, 2)])), (
+        _input((3, 4), dt),
+    )
+
+
+@case("dot_both_linear")
+def _(dt):
+    return lambda x: x @ x + x.T @ jnp.sin(x), (_input((3, 3), dt),)
+
+
+@case("dot_inner_product")
+def _(dt):
+    c = _const((4,), 16, dt)
+    return lambda x: jnp.dot(c, x) * x, (_input((4,), dt),)
+
+
+@case("select_n_where")
+def _(dt):
+    mask = jnp.asarray([True, False, True, True])
+    return lambda x: (jnp.where(mask, x, 2 * x), jnp.where(x > 0, x, 0.0)), (_input((4,), dt),)
+
+
+@case("select_n_three_way")
+def _(dt):
+    which = jnp.asarray([0, 2, 1, 0], dtype=jnp.int32)
+    return lambda x: lax.select_n(which, x, jnp.sin(x), 3 * x), (_input((4,), dt),)
+
+
+@case("gather")
+def _(dt):
+    idx = jnp.asarray([2, 0, 0, 3])
+    return lambda x: (x[idx], x[:, idx[:2]], x[1]), (_input((4, 5), dt),)
+
+
+@case("gather_of_dense")
+def _(dt):
+    idx = jnp.asarray([2, 0, 2])
+    A = _const((4, 4), 17, dt)
+    return lambda x: jnp.tanh(A @ x)[idx], (_input((4,), dt),)
+
+
+@case("scatter_set")
+def _(dt):
+    return lambda x: x.at[1].set(0.0).at[2].set(x[0] * 3), (_input((4,), dt),)
+
+
+@case("scatter_add")
+def _(dt):
+    idx = jnp.asarray([0, 2, 0])
+    return lambda x: jnp.zeros((4, 2), dt).at[idx].add(x[:3]), (_input((3, 2), dt),)
+
+
+@case("conv_constant_kernel")
+def _(dt):
+    k = _const((3, 2, 3, 3), 18, dt)
+
+    def fn(x):
+        return lax.conv_general_dilated(x, k, (1, 1), "SAME")
+
+    return fn, (_input((1, 2, 5, 4), dt),)
+
+
+@case("conv_kernel_is_input")
+def _(dt):
+    img = _const((2, 2, 5, 5), 19, dt)
+
+    def fn(k):
+        return lax.conv_general_dilated(img, k, (2, 1), "VALID", rhs_dilation=(1, 2))
+
+    return fn, (_input((3, 2, 2, 2), dt),)
+
+
+@case("avg_pool")
+def _(dt):
+    def fn(x):
+        s = lax.reduce_window(x, 0.0, lax.add, (2, 2), (1, 2), "VALID")
+        return s / 4
+
+    return fn, (_input((4, 6), dt),)
+
+
+@case("max_pool")
+def _(dt):
+    def fn(x):
+        return lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (2, 1), "VALID")
+
+    return fn, (_input((4, 5), dt),)
+
+
+@case("fft")
+def _(dt):
+    return lambda x: (jnp.fft.fft(x), jnp.fft.rfft(x), jnp.fft.fft2(x * 1j)), (_input((4, 6), dt),)
+
+
+@case("triangular_solve_rhs")
+def _(dt):
+    L = jnp.tril(_const((4, 4), 20, dt)) + 4 * jnp.eye(4, dtype=dt)
+    return lambda x: jsp.linalg.solve_triangular(L, x, lower=True), (_input((4, 2), dt),)
+
+
+@case("triangular_solve_matrix")
+def _(dt):
+    b = _const((4,), 21, dt)
+
+    def fn(m):
+        U = jnp.triu(m) + 4 * jnp.eye(4, dtype=dt)
+        return jsp.linalg.solve_triangular(U, b, lower=False)
+
+    return fn, (_input((4, 4), dt),)
+
+
+@case("linalg_solve_rhs")
+def _(dt):
+    A = _const((4, 4), 22, dt) + 4 * jnp.eye(4, dtype=dt)
+    return lambda x: jnp.linalg.solve(A, x), (_input((4,), dt),)
+
+
+@case("linalg_solve_matrix")
+def _(dt):
+    b = _const((3,), 23, dt)
+    return lambda m: jnp.linalg.solve(m + 4 * jnp.eye(3, dtype=dt), b), (_input((3, 3), dt),)
+
+
+@case("lineax_linear_solve")
+def _(dt):
+    A = _const((4, 4), 24, dt) + 4 * jnp.eye(4, dtype=dt)
+
+    def fn(x):
+        return lx.linear_solve(lx.MatrixLinearOperator(A), x, lx.LU()).value
+
+    return fn, (_input((4,), dt),)
+
+
+@case("lineax_linear_solve_matrix")
+def _(dt):
+    b = _const((3,), 25, dt)
+
+    def fn(m):
+        op = lx.MatrixLinearOperator(m + 4 * jnp.eye(3, dtype=dt))
+        return lx.linear_solve(op, b, lx.LU()).value
+
+    return fn, (_input((3, 3), dt),)
+
+
+@case("jit_nesting")
+def _(dt):
+    A = _const((4, 4), 26, dt)
+    inner = jax.jit(lambda y: jnp.sin(A @ y))
+    return jax.jit(lambda x: 2 * inner(jax.jit(lambda z: z * z)(x))), (_input((4,), dt),)
+
+
+@case("checkpoint")
+def _(dt):
+    A = _const((4, 4), 27, dt)
+    return jax.checkpoint(lambda x: jnp.sin(A @ x) * x), (_input((4,), dt),)
+
+
+@case("custom_jvp_relu_softplus")
+def _(dt):
+    return lambda x: (jax.nn.relu(x), jax.nn.softplus(x), jax.nn.gelu(x)), (_input((5,), dt),)
+
+
+@jax.custom_vjp
+def _cube(x):
+    return x**3
+
+
+def _cube_fwd(x):
+    return x**3, x
+
+
+def _cube_bwd(x, g):
+    return (3 * x**2 * g,)
+
+
+_cube.defvjp(_cube_fwd, _cube_bwd)
+
+
+@case("custom_vjp", reference="jacrev")
+def _(dt):
+    A = _const((3, 4), 28, dt)
+    return lambda x: A @ _cube(jnp.sin(x)), (_input((4,), dt),)
+
+
+@case("custom_vjp_in_jit", reference="jacrev")
+def _(dt):
+    return jax.jit(lambda x: _cube(x) + x), (_input((2, 2), dt),)
+
+
+@case("cond_traced_predicate")
+def _(dt):
+    A = _const((4, 4), 29, dt)
+
+    def fn(x):
+        return lax.cond(x.sum() > 0, lambda y: A @ y, lambda y: jnp.sin(y), x)
+
+    return fn, (_input((4,), dt),)
+
+
+@case("cond_traced_predicate_other_branch")
+def _(dt):
+    A = _const((4, 4), 29, dt)
+
+    def fn(x):
+        return lax.cond(x.sum() < 0, lambda y: A @ y, lambda y: jnp.sin(y), x)
+
+    return fn, (_input((4,), dt),)
+
+
+@case("cond_concrete_predicate")
+def _(dt):
+    return lambda x: lax.cond(True, lambda y: y**2, lambda y: -y, x), (_input((3,), dt),)
+
+
+@case("switch_index_argument")
+def _(dt):
+    def fn(x, i):
+        return lax.switch(i, [jnp.sin, jnp.cos, lambda y: 3 * y], x)
+
+    return fn, (_input((3,), dt), jnp.int32(1))
+
+
+@case("scan")
+def _(dt):
+    A = 0.5 * _const((3, 3), 30, dt)
+    xs = _const((4, 3), 31, dt)
+
+    def fn(x):
+        def body(c, a):
+            c = jnp.tanh(A @ c) + a * c
+            return c, 2 * c
+
+        return lax.scan(body, x, xs)
+
+    return fn, (_input((3,), dt),)
+
+
+@case("scan_over_input")
+def _(dt):
+    def fn(x):
+        return lax.scan(lambda c, a: (c + jnp.sin(a), c * a), jnp.zeros(2, dt), x)
+
+    return fn, (_input((3, 2), dt),)
+
+
+@case("fori_loop")
+def _(dt):
+    A = 0.5 * _const((3, 3), 32, dt)
+    return lambda x: lax.fori_loop(0, 3, lambda i, c: A @ jnp.tanh(c), x), (_input((3,), dt),)
+
+
+@case("while_loop")  # `jax.jacrev` cannot run here: reverse is checked against jacfwd
+def _(dt):
+    A = 0.5 * _const((3, 3), 33, dt)
+
+    def fn(x):
+        def body(state):
+            i, c = state
+            return i + 1, A @ jnp.sin(c)
+
+        return lax.while_loop(lambda s: s[0] < 3, body, (0, x))[1]
+
+    return fn, (_input((3,), dt),)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rule(name):
+    make, reference, modes, argnums = CASES[name]
+    references = {
+        "forward": jax.jacrev if reference == "jacrev" else jax.jacfwd,
+        "reverse": jax.jacfwd if reference == "jacfwd" else jax.jacrev,
+    }
+    dtypes = {"float32": jnp.float32, "float64": jnp.float64}
+    programs = {key: make(dtype) for key, dtype in dtypes.items()}
+
+    # One compilation for both dtypes, both modes and the references: compiling dominates.
+    @jax.jit
+    def run(all_args):
+        out = {}
+        for dtype, (fn, _) in programs.items():  # dict keys: strings, sortable
+            args = all_args[dtype]
+            for mode in modes:
+                expected = references[mode](fn, argnums=argnums)(*args)
+                actual = dl.materialise(fn, *args, argnums=argnums, mode=mode)
+                out[dtype, mode] = (actual, expected)
+        return out
+
+    results = run({dtype: args for dtype, (_, args) in programs.items()})
+    for (dtype, mode), (actual, expected) in results.items():
+        try:
+            assert_tree_allclose(actual, expected, **_TOL[dtypes[dtype]])
+        except AssertionError as e:
+            raise AssertionError(f"{name}, {dtype}, mode={mode}: {e}") from None
+
+
+def test_custom_vjp_jacfwd_fails():
+    # Why the `custom_vjp` cases compare against `jax.jacrev`.
+    with pytest.raises(TypeError):
+        jax.jacfwd(_cube)(jnp.ones(3))
+
+
+def test_auto_mode():
+    A = _const((2, 6), 34, jnp.float64)
+    x = _input((6,), jnp.float64)
+    for fn in (lambda x: A @ jnp.sin(x), lambda x: jnp.sin(A.T @ (A @ x))):
+        assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), **_TOL[jnp.float64])
+
+
+def test_complex_output_auto_mode():
+    # Fewer outputs than inputs selects reverse mode; a real-to-complex map must not lose
+    # the imaginary part of its Jacobian there.
+    x = _input((4,), jnp.float64)
+    for fn in (lambda x: jnp.sum(x * (1 + 2j)), lambda x: jnp.fft.fft(x)[:2]):
+        assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), **_TOL[jnp.float64])
+
+
+# ---- pytrees and argnums --------------------------------------------------------------
+
+
+def _pytree_fn(p, c, q):
+    a, (b,) = p["a"], p["b"]
+    return {"out": (a * c + jnp.sum(b), jnp.sin(b) * q[0])}, a @ b[:2]
+
+
+def _pytree_args(dtype):
+    p = {"a": _input((2,), dtype, 1), "b": (_input((3,), dtype, 2),)}
+    return p, _input((2,), dtype, 3), [_input((), dtype, 4)]
+
+
+@pytest.mark.parametrize(
+    "argnums, dtype, mode",
+    [
+        (0, jnp.float64, "forward"),
+        (0, jnp.float32, "reverse"),
+        (1, jnp.float64, "reverse"),
+        ((0,), jnp.float64, "auto"),
+        ((0, 2), jnp.float32, "forward"),
+        ((0, 2), jnp.float64, "reverse"),
+        ((2, 0), jnp.float64, "forward"),
+        ((2, 0), jnp.float32, "reverse"),
+        (-1, jnp.float64, "auto"),
+    ],
+)
+def test_pytrees_and_argnums(argnums, dtype, mode):
+    args = _pytree_args(dtype)
+    expected = jax.jacfwd(_pytree_fn, argnums=argnums)(*args)
+    actual = dl.materialise(_pytree_fn, *args, argnums=argnums, mode=mode)
+    assert jtu.tree_structure(actual) == jtu.tree_structure(expected)
+    assert_tree_allclose(actual, expected, **_TOL[dtype])
+
+
+def test_non_array_other_arguments():
+    # Only the differentiated arguments must be arrays.
+    def fn(x, name, scale, flag):
+        assert name == "hello" and flag is None
+        return scale * jnp.sin(x)
+
+    x = _input((3,), jnp.float64)
+    actual = dl.materialise(fn, x, "hello", 2.0, None)
+    assert_tree_allclose(actual, jax.jacfwd(fn)(x, "hello", 2.0, None))
+
+
+def test_integer_output():
+    def fn(x):
+        return jnp.sin(x), jnp.arange(3)
+
+    x = _input((4,), jnp.float64)
+    assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x))
+
+
+def test_output_independent_of_input():
+    c = _const((2, 2), 35, jnp.float64)
+    x = _input((3,), jnp.float64)
+    for mode in ("forward", "reverse"):
+        actual = dl.materialise(lambda x: (c, jnp.sin(x)), x, mode=mode)
+        assert_tree_allclose(actual, jax.jacfwd(lambda x: (c, jnp.sin(x)))(x))
+
+
+# ---- under jit, vmap, grad --------------------------------------------------------------
+
+
+def _nonlinear(x, A):
+    return jnp.tanh(A @ x) * x[0]
+
+
+def test_under_jit():
+    A = _const((3, 4), 36, jnp.float64)
+    x = _input((4,), jnp.float64)
+    actual = jax.jit(lambda x, A: dl.materialise(_nonlinear, x, A))(x, A)
+    expected = jax.jacfwd(_nonlinear)(x, A)
+    assert_tree_allclose(actual, expected, **_TOL[jnp.float64])
+
+
+@pytest.mark.parametrize("argnums", [0, 1])
+def test_under_vmap(argnums):
+    A = _const((5, 3, 4), 37, jnp.float64)
+    x = _const((5, 4), 38, jnp.float64)
+    actual = jax.vmap(lambda x, A: dl.materialise(_nonlinear, x, A, argnums=argnums))(x, A)
+    expected = jax.vmap(jax.jacfwd(_nonlinear, argnums=argnums))(x, A)
+    assert_tree_allclose(actual, expected, **_TOL[jnp.float64])
+
+
+def test_under_vmap_unbatched_argument():
+    A = _const((3, 4), 39, jnp.float64)
+    x = _const((5, 4), 40, jnp.float64)
+    actual = jax.vmap(lambda x: dl.materialise(_nonlinear, x, A))(x)
+    expected = jax.vmap(lambda x: jax.jacfwd(_nonlinear)(x, A))(x)
+    assert_tree_allclose(actual, expected, **_TOL[jnp.float64])
+
+
+@pytest.mark.parametrize("wrt", [0, 1])
+def test_under_grad(wrt):
+    A = _const((3, 4), 41, jnp.float64)
+    x = _input((4,), jnp.float64)
+
+    def loss(jacobian, x, A):
+        return jnp.sum(jacobian(_nonlinear)(x, A) ** 2)
+
+    actual = jax.grad(lambda x, A: loss(lambda f: lambda *a: dl.materialise(f, *a), x, A), wrt)
+    expected = jax.grad(lambda x, A: loss(jax.jacfwd, x, A), wrt)
+    assert_tree_allclose(actual(x, A), expected(x, A), **_TOL[jnp.float64])
+
+
+# ---- structure: matrix-matrix products in the traced program ----------------------------
+
+
+N = 6
+
+
+def _matrices():
+    return _const((N, N), 42, jnp.float64), _const((N, N), 43, jnp.float64)
+
+
+def test_linear_map_is_its_matrix():
+    A, _ = _matrices()
+    x = _input((N,), jnp.float64)
+    assert count_matmuls(lambda x: dl.materialise(lambda x: A @ x, x), x) == 0
+    # The reference counter does see the product jacfwd computes.
+    assert count_matmuls(jax.jacfwd(lambda x: A @ x), x) == 1
+    np.testing.assert_array_equal(dl.materialise(lambda x: A @ x, x), A)
+    A32 = A.astype(jnp.float32)
+    out = dl.materialise(lambda x: A32 @ x, x.astype(jnp.float32))
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, A32)
+
+
+def test_no_matmul_scaled_plus_transpose():
+    A, _ = _matrices()
+    x = _input((N,), jnp.float64)
+    fn = lambda x: 2 * x + A.T @ x
+    assert count_matmuls(lambda x: dl.materialise(fn, x), x) == 0
+    assert_tree_allclose(dl.materialise(fn, x), 2 * jnp.eye(N) + A.T, rtol=1e-14)
+
+
+def test_one_matmul_for_two_linear_maps():
+    A, B = _matrices()
+    x = _input((N,), jnp.float64)
+    fn = lambda x: B @ (A @ x)
+    assert count_matmuls(lambda x: dl.materialise(fn, x), x) == 1
+    assert_tree_allclose(dl.materialise(fn, x), B @ A, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
+def test_one_matmul_for_nonlinear(mode):
+    A, B = _matrices()
+    x = _input((N,), jnp.float64)
+    fn = lambda x: B @ jnp.tanh(A @ x)
+    assert count_matmuls(lambda x: dl.materialise(fn, x, mode=mode), x) == 1
+    assert count_matmuls(jax.jacfwd(fn), x) == 2
+    assert_tree_allclose(dl.materialise(fn, x, mode=mode), jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+def test_batched_linear_layer_no_matmul():
+    W = _const((3, 4), 44, jnp.float64)
+    X = _input((5, 4), jnp.float64)
+    fn = lambda X: X @ W.T
+    assert count_matmuls(lambda X: dl.materialise(fn, X), X) == 0
+    assert_tree_allclose(dl.materialise(fn, X), jax.jacfwd(fn)(X), rtol=1e-14)
+
+
+# ---- materialise_operator ---------------------------------------------------------------
+
+
+def test_operator_kinds():
+    A, _ = _matrices()
+    x = _input((N,), jnp.float64)
+    ident = dl.materialise_operator(lambda x: x, x)
+    assert isinstance(ident, lx.IdentityLinearOperator)
+    for fn in (jnp.sin, lambda x: 3 * x):
+        op = dl.materialise_operator(fn, x)
+        assert isinstance(op, lx.DiagonalLinearOperator)
+        np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-14)
+    op = dl.materialise_operator(lambda x: A @ x, x)
+    assert isinstance(op, lx.MatrixLinearOperator)
+    np.testing.assert_array_equal(op.as_matrix(), A)
+    np.testing.assert_array_equal(ident.as_matrix(), jnp.eye(N))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [jnp.sin, lambda x: x, lambda x: jnp.tanh(x).T @ x, lambda x: jnp.cumsum(x, axis=1)],
+    ids=["diagonal", "identity", "dense", "cumsum"],
+)
+def test_operator_mv_matches_jvp(fn):
+    # Matrix-valued inputs: the operator acts on the array as `jax.jvp` does.
+    x = _input((3, 3), jnp.float64)
+    v = _input((3, 3), jnp.float64, 1)
+    op = dl.materialise_operator(fn, x)
+    assert op.in_structure() == jax.ShapeDtypeStruct(x.shape, x.dtype)
+    np.testing.assert_allclose(op.mv(v), jax.jvp(fn, (x,), (v,))[1], rtol=1e-12, atol=1e-14)
+
+
+def test_operator_dtype_change():
+    x = _input((4,), jnp.float64)
+    op = dl.materialise_operator(lambda x: 2 * x.astype(jnp.float32), x)
+    assert op.in_structure() == jax.ShapeDtypeStruct((4,), jnp.float64)
+    assert op.out_structure() == jax.ShapeDtypeStruct((4,), jnp.float32)
+
+
+def test_operator_linear_solve():
+    A, _ = _matrices()
+    A = A + N * jnp.eye(N)
+    x = _input((N,), jnp.float64)
+    b = _input((N,), jnp.float64, 1)
+    fn = lambda x: A @ jnp.sin(x) + x
+    op = dl.materialise_operator(fn, x)
+    expected = jnp.linalg.solve(jax.jacfwd(fn)(x), b)
+    np.testing.assert_allclose(lx.linear_solve(op, b).value, expected, rtol=1e-10)
+    diag = dl.materialise_operator(jnp.sin, x)
+    expected = jnp.linalg.solve(jax.jacfwd(jnp.sin)(x), b)
+    np.testing.assert_allclose(lx.linear_solve(diag, b).value, expected, rtol=1e-10)
+
+
+def test_operator_pytree():
+    x = {"a": _input((2,), jnp.float64), "b": _input((3,), jnp.float64, 1)}
+    fn = lambda p: (jnp.sin(p["a"]), p["b"] * p["a"][0])
+    op = dl.materialise_operator(fn, x)
+    assert isinstance(op, lx.PyTreeLinearOperator)
+    assert_tree_allclose(op.pytree, jax.jacfwd(fn)(x), rtol=1e-14)
+
+
+# ---- compilation ------------------------------------------------------------------------
+
+
+def test_no_recompilation_fresh_lambda():
+    A = _const((7, 7), 45, jnp.float32)
+    x = _input((7,), jnp.float32)
+    dl.materialise(lambda x: A @ x, x)
+    size = _materialise._run_dense._cache_size()
+    for _ in range(3):
+        out = dl.materialise(lambda x: A @ x, x)
+    assert _materialise._run_dense._cache_size() == size
+    np.testing.assert_array_equal(out, A)
+    # A different closed-over matrix of the same shape reuses the kernel too.
+    A2 = A + 1
+    np.testing.assert_array_equal(dl.materialise(lambda x: A2 @ x, x), A2)
+    assert _materialise._run_dense._cache_size() == size
+
+
+def test_different_program_compiles_anew():
+    # The counter above can fail: a different program is a new cache entry.
+    x = _input((9,), jnp.float32)
+    size = _materialise._run_dense._cache_size()
+    dl.materialise(lambda x: jnp.cos(x) * x[::-1] + 17.5, x)
+    assert _materialise._run_dense._cache_size() == size + 1
+
+
+def _kernel_text(fn, *args):
+    """The HLO text of the kernel an un-jitted `materialise(fn, *args)` compiles."""
+    api = "materialise"
+    closed, diff, rest, _, _ = _materialise._trace(fn, args, 0, False, api)
+    spec = _materialise._Spec(closed.jaxpr, len(diff), "auto", False, structured=False)
+    return _materialise._run_dense.lower(spec, list(closed.consts), diff, rest).as_text()
+
+
+def test_closed_over_array_not_a_constant():
+    n = 512
+    A = _const((n, n), 46, jnp.float32)
+    x = _input((n,), jnp.float32)
+    for fn in (lambda x: A @ x, lambda x: jnp.tanh(A @ x) + A[0] * x):
+        # An embedded f32[512, 512] constant would be over 1 MB of text.
+        assert len(_kernel_text(fn, x)) < 20_000
+    # The measurement can fail: a program that does embed `A` is large.
+    assert len(jax.jit(lambda x: A @ x).lower(x).as_text()) > n * n
+
+
+# ---- strict mode --------------------------------------------------------------------------
+
+
+def test_strict():
+    A, _ = _matrices()
+    x = _input((N,), jnp.float64)
+    np.testing.assert_array_equal(dl.materialise(lambda x: A @ x, x, strict=True), A)
+
+    def fn(x):
+        return lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, A @ s[1]), (0, x))[1]
+
+    with pytest.raises(ValueError, match="while"):
+        dl.materialise(fn, x, strict=True)
+    with pytest.raises(ValueError, match="while"):
+        dl.materialise_operator(fn, x, strict=True)
+    assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+
+_x = np.ones(3)
+
+
+@pytest.mark.parametrize(
+    "fn, args, kwargs",
+    [
+        pytest.param(jnp.sin, ("a string",), {}, id="string-leaf"),
+        pytest.param(lambda t: t[0] * t[1], ((_x, object()),), {}, id="object-leaf"),
+        pytest.param(jnp.sin, (jnp.arange(3),), {}, id="integer-input"),
+        pytest.param(jnp.sin, (True,), {}, id="bool-input"),
+        pytest.param(jnp.sin, (None,), {}, id="none"),
+        pytest.param(jnp.sin, ({},), {}, id="empty-pytree"),
+        pytest.param(lambda x: "a string", (_x,), {}, id="string-output"),
+        pytest.param(lambda x: (x, object()), (_x,), {}, id="object-output"),
+        pytest.param(jnp.sin, (_x,), {"argnums": 1}, id="argnums-out-of-range"),
+        pytest.param(jnp.sin, (_x,), {"argnums": (0, -2)}, id="argnums-negative"),
+        pytest.param(jnp.sin, (_x,), {"argnums": ()}, id="argnums-empty"),
+        pytest.param(jnp.sin, (_x,), {"argnums": "0"}, id="argnums-string"),
+        pytest.param(jnp.sin, (), {}, id="no-arguments"),
+        pytest.param(np.ones(3), (_x,), {}, id="not-callable"),
+        pytest.param(jnp.sin, (_x,), {"mode": "sideways"}, id="bad-mode"),
+    ],
+)
+@pytest.mark.parametrize("api", ["materialise", "materialise_operator"])
+def test_bad_input(api, fn, args, kwargs):
+    with pytest.raises((TypeError, ValueError), match=api):
+        getattr(dl, api)(fn, *args, **kwargs)
+
+
+def test_bad_input_is_not_an_internal_error():
+    # A clean message, not an exception from deep inside the interpreter.
+    with pytest.raises(TypeError, match="integer") as info:
+        dl.materialise(jnp.sin, jnp.arange(3))
+    assert "`diffrax_linearize.materialise`" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("split", lambda x: jnp.split(x, [2])[1] * 2),
+        ("tile", lambda x: jnp.tile(jnp.sin(x).reshape(2, 3), (2, 1))),
+        (
+            "lineax_solve",
+            lambda x: lx.linear_solve(lx.MatrixLinearOperator(jnp.eye(6) * 2 + 0.1), x).value,
+        ),
+        ("cond_traced", lambda x: jax.lax.cond(x[0] > 0, lambda: 2 * x, lambda: jnp.sin(x))),
+        (
+            "switch_traced",
+            lambda x: jax.lax.switch(jnp.int32(x[1] > 0), [lambda: x[::-1], lambda: x**2]),
+        ),
+    ],
+)
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_structured_without_fallback(name, fn, mode):
+    """These have structure rules: `strict=True` must not raise, and values match."""
+    for x in (jnp.linspace(-1.0, 2.0, 6), -jnp.linspace(-1.0, 2.0, 6)):
+        out = jax.jit(lambda x: dl.materialise(fn, x, mode=mode, strict=True))(x)
+        assert_tree_allclose(out, jax.jacfwd(fn)(x))
