@@ -3,13 +3,35 @@ adjoints and autodiff recursions built on them."""
 
 import importlib.metadata
 
-# --- structure engine
+from ._ensemble import (
+    EnsembleSolution as EnsembleSolution,
+    solve_ensemble as solve_ensemble,
+)
+from ._levy_area import (
+    GridLevyAreaPath as GridLevyAreaPath,
+    IteratedIntegrals as IteratedIntegrals,
+    levy_area_n_terms as levy_area_n_terms,
+    LevyAreaBrownianPath as LevyAreaBrownianPath,
+    sample_iterated_integrals as sample_iterated_integrals,
+    sample_levy_area as sample_levy_area,
+)
 from ._materialise import (
     materialise as materialise,
     materialise_operator as materialise_operator,
 )
-
-# --- diffrax terms
+from ._solver.milstein import (
+    ItoMilstein as ItoMilstein,
+    StratonovichMilstein as StratonovichMilstein,
+)
+from ._solver.milstein_general import (
+    GeneralItoMilstein as GeneralItoMilstein,
+    GeneralStratonovichMilstein as GeneralStratonovichMilstein,
+)
+from ._squared_grads import (
+    per_example_grad_norms as per_example_grad_norms,
+    sum_squared_grads as sum_squared_grads,
+    value_grad_and_sum_squared_grads as value_grad_and_sum_squared_grads,
+)
 from ._term import (
     commutativity_defect as commutativity_defect,
     is_additive_noise as is_additive_noise,
@@ -19,26 +41,6 @@ from ._term import (
     noise_structure as noise_structure,
     NoiseStructure as NoiseStructure,
     vf_derivative as vf_derivative,
-)
-# --- solvers
-from ._solver.milstein import (
-    ItoMilstein as ItoMilstein,
-    StratonovichMilstein as StratonovichMilstein,
-)
-
-# --- adjoints
-# --- squared gradients
-from ._squared_grads import (
-    per_example_grad_norms as per_example_grad_norms,
-    sum_squared_grads as sum_squared_grads,
-    value_grad_and_sum_squared_grads as value_grad_and_sum_squared_grads,
-)
-
-
-# --- ensembles
-from ._ensemble import (
-    EnsembleSolution as EnsembleSolution,
-    solve_ensemble as solve_ensemble,
 )
 
 

@@ -81,22 +81,29 @@ def read_value(env, v):
     return env[v]
 
 
-def interpret(ctx: Context, jaxpr, consts, invals) -> list:
-    """Evaluate `jaxpr` on `invals` (each a [`Lin`][] or a constant)."""
+def eval_jaxpr(jaxpr, consts, invals, apply_eqn: Callable[[object, list], list]) -> list:
+    """Evaluate `jaxpr` equation by equation, each through `apply_eqn(eqn, vals)`."""
     env = {}
     for v, val in zip(jaxpr.constvars, consts):
         env[v] = val
     for v, val in zip(jaxpr.invars, invals):
         env[v] = val
     for eqn in jaxpr.eqns:
-        vals = [read_value(env, v) for v in eqn.invars]
-        if any(isinstance(x, Lin) for x in vals):
-            outs = apply_rule(ctx, eqn, vals)
-        else:
-            outs = bind_eqn(eqn, vals)
+        outs = apply_eqn(eqn, [read_value(env, v) for v in eqn.invars])
         for v, out in zip(eqn.outvars, outs):
             env[v] = out
     return [read_value(env, v) for v in jaxpr.outvars]
+
+
+def interpret(ctx: Context, jaxpr, consts, invals) -> list:
+    """Evaluate `jaxpr` on `invals` (each a [`Lin`][] or a constant)."""
+
+    def apply_eqn(eqn, vals):
+        if any(isinstance(x, Lin) for x in vals):
+            return apply_rule(ctx, eqn, vals)
+        return bind_eqn(eqn, vals)
+
+    return eval_jaxpr(jaxpr, consts, invals, apply_eqn)
 
 
 def apply_rule(ctx: Context, eqn, vals) -> list:

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _rules as _rules  # noqa: F401  (registers the structure rules)
 from ._compat import bind_eqn, prim
-from ._interpreter import Context, interpret, Lin
+from ._interpreter import Context, eval_jaxpr, interpret, Lin
 from ._structure import Struct
 
 
@@ -151,27 +151,16 @@ def _custom_vjp_as_jvp(eqn):
 def _eval_forward_differentiable(jaxpr, consts, args):
     """Evaluate `jaxpr`, replacing every `custom_vjp_call` (also inside `jit`) by a
     forward-differentiable equivalent."""
-    env = {}
-    from ._interpreter import read_value
 
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        vals = [read_value(env, v) for v in eqn.invars]
+    def apply_eqn(eqn, vals):
         if eqn.primitive is prim("custom_vjp_call"):
-            outs = _custom_vjp_as_jvp(eqn)(*vals)
-        elif eqn.primitive in (prim("jit"), prim("closed_call")) and _has_custom_vjp(
-            eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        ):
-            closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            outs = _eval_forward_differentiable(closed.jaxpr, closed.consts, vals)
-        else:
-            outs = bind_eqn(eqn, vals)
-        for v, out in zip(eqn.outvars, outs):
-            env[v] = out
-    return [read_value(env, v) for v in jaxpr.outvars]
+            return _custom_vjp_as_jvp(eqn)(*vals)
+        closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if eqn.primitive in (prim("jit"), prim("closed_call")) and _has_custom_vjp(closed):
+            return _eval_forward_differentiable(closed.jaxpr, closed.consts, vals)
+        return bind_eqn(eqn, vals)
+
+    return eval_jaxpr(jaxpr, consts, args, apply_eqn)
 
 
 def _has_custom_vjp(closed) -> bool:

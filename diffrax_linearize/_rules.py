@@ -530,15 +530,8 @@ def _reduce_sum_rule(b, eqn, vals, pos):
             factor *= b.out_shape[k]
     if factor != 1:
         val = val * np.asarray(factor, dtype=b.dtype)
-    keep = [k for k in range(len(b.out_shape)) if k not in axes]
-    return Struct.build(
-        val,
-        val_labels,
-        [b.out_labels[k] for k in keep],
-        b.in_labels,
-        [b.out_shape[k] for k in keep],
-        b.in_shape,
-    )
+    summed = Struct(val, val_labels, b.out_labels, b.in_labels, b.out_shape, b.in_shape)
+    return _drop_out_axes(summed, axes)
 
 
 @register_rule(prim("cumsum"))

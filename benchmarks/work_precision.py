@@ -1,0 +1,281 @@
+"""Work-precision: RMS strong error at t=1 against cost, on a non-commutative linear SDE
+
+    dy = B y dt + sum_j A_j y dW_j,    y in R^8, m noise channels, [A_i, A_j] != 0,
+
+for Euler-Maruyama (`diffrax.Euler`), diffrax's `ItoMilstein`, our commutative
+`ItoMilstein`, and our `GeneralItoMilstein` (with simulated Lévy areas).
+
+Error: every path is sampled once on a fine grid of 2^11 steps (increments and Lévy
+areas); every solver at every step size sees that same path, coarse steps getting its
+iterated integrals through Chen's relation (`GridLevyAreaPath`), and the reference is
+`GeneralItoMilstein` on the fine grid.
+
+Cost: wall time per path of a jitted solve of a batch of paths, in the way a user would
+run it: the increments from a `diffrax.VirtualBrownianTree` (the same tree for every
+method), and for `GeneralItoMilstein` the Lévy areas sampled on the fly by
+`LevyAreaBrownianPath(bm, dt=h)`, with the number of Fourier terms that step size needs.
+Compile time is excluded and reported separately. The cost of each method at RMS error
+1e-3 is interpolated in log-log space (extrapolated along the fitted line when the
+measured range does not reach 1e-3, and flagged).
+
+Run: `python benchmarks/work_precision.py [--quick]`.
+"""
+
+import argparse
+import math
+import statistics
+import time
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+
+jax.config.update("jax_enable_x64", True)
+
+import diffrax_linearize as dl  # noqa: E402
+
+
+try:
+    from benchmarks._common import block, markdown_table, plot_path, write_results
+except ImportError:  # run as a script from inside benchmarks/
+    from _common import block, markdown_table, plot_path, write_results  # pyright: ignore
+
+
+D = 8
+N_FINE = 2**11
+TARGET = 1e-3
+
+
+def _methods():
+    return {
+        "Euler-Maruyama (diffrax.Euler)": (diffrax.Euler(), False),
+        "diffrax.ItoMilstein": (diffrax.ItoMilstein(), False),
+        "ItoMilstein (ours, commutative)": (dl.ItoMilstein(), False),
+        "GeneralItoMilstein (ours)": (dl.GeneralItoMilstein(), True),
+    }
+
+
+def _problem(m: int):
+    key_a, key_b = jr.split(jr.key(20240501))
+    # Scaled so the total noise strength does not depend on m.
+    a = 0.5 * jr.normal(key_a, (m, D, D)) / math.sqrt(D * m)
+    b = -0.5 * jnp.eye(D) + 0.2 * jr.normal(key_b, (D, D)) / math.sqrt(D)
+    y0 = jnp.ones(D) / math.sqrt(D)
+
+    def f(t, y, args):
+        return b @ y
+
+    def g(t, y, args):
+        return jnp.einsum("jik,k->ij", a, y)
+
+    return f, g, y0
+
+
+def _solve(f, g, y0, solver, path, dt, max_steps):
+    terms = diffrax.MultiTerm(diffrax.ODETerm(f), diffrax.ControlTerm(g, path))
+    sol = diffrax.diffeqsolve(
+        terms,
+        solver,
+        0.0,
+        1.0,
+        dt,
+        y0,
+        saveat=diffrax.SaveAt(t1=True),
+        max_steps=max_steps,
+    )
+    return sol.ys[-1]
+
+
+def _errors(m, steps, n_paths, chunk):
+    """RMS error at t=1 of every method at every step size, against the fine reference."""
+    f, g, y0 = _problem(m)
+    ts = jnp.linspace(0.0, 1.0, N_FINE + 1)
+    h_fine = 1.0 / N_FINE
+
+    def grid_path(key):
+        k_w, k_a = jr.split(key)
+        dW = math.sqrt(h_fine) * jr.normal(k_w, (N_FINE, m))
+        n_terms = dl.levy_area_n_terms(m, h_fine)
+        keys = jr.split(k_a, N_FINE)
+        areas = jax.vmap(lambda k, w: dl.sample_levy_area(k, w, h_fine, n_terms))(keys, dW)
+        return dl.GridLevyAreaPath(ts, dW, areas)
+
+    make_paths = jax.jit(jax.vmap(grid_path))
+
+    def solve_batch(solver, keys, dt):
+        paths = make_paths(keys)
+        return jax.vmap(lambda p: _solve(f, g, y0, solver, p, dt, N_FINE))(paths)
+
+    solve_batch = jax.jit(solve_batch, static_argnums=0)
+    keys = jr.split(jr.key(m), n_paths)
+    chunks = [keys[i : i + chunk] for i in range(0, n_paths, chunk)]
+    reference = jnp.concatenate(
+        [solve_batch(dl.GeneralItoMilstein(), c, jnp.asarray(h_fine)) for c in chunks]
+    )
+    out = {}
+    for name, (solver, _) in _methods().items():
+        errs = []
+        for h in steps:
+            ys = jnp.concatenate([solve_batch(solver, c, jnp.asarray(h)) for c in chunks])
+            errs.append(float(jnp.sqrt(jnp.mean(jnp.sum((ys - reference) ** 2, axis=-1)))))
+        out[name] = errs
+    return out
+
+
+def _timings(m, steps, n_batch, repeats):
+    """Wall time per path (median of repeats) and compile time, with the tree and, for the
+    general solver, the sampled Lévy areas."""
+    f, g, y0 = _problem(m)
+    out = {}
+    keys = jr.split(jr.key(1), n_batch)
+    for name, (solver, needs_levy) in _methods().items():
+        compiled = {}  # one compilation per number of Fourier terms; dt is traced
+        rows = []
+        for h in steps:
+            n_terms = dl.levy_area_n_terms(m, h) if needs_levy else None
+            dt = jnp.asarray(h)
+            compile_s = None  # compiled for an earlier step size
+            if n_terms not in compiled:
+
+                def batch(keys, dt, solver=solver, n_terms=n_terms):
+                    def one(key):
+                        bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=2**-12, shape=(m,), key=key)
+                        path = bm if n_terms is None else dl.LevyAreaBrownianPath(bm, n_terms)
+                        return _solve(f, g, y0, solver, path, dt, N_FINE)
+
+                    return jax.vmap(one)(keys)
+
+                t0 = time.perf_counter()
+                compiled[n_terms] = jax.jit(batch).lower(keys, dt).compile()
+                compile_s = time.perf_counter() - t0
+            fn = compiled[n_terms]
+            block(fn(keys, dt))
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                block(fn(keys, dt))
+                times.append(time.perf_counter() - t0)
+            rows.append(
+                dict(run_s=statistics.median(times) / n_batch, compile_s=compile_s, n_terms=n_terms)
+            )
+        out[name] = rows
+    return out
+
+
+def _cost_at(errors, costs, target=TARGET):
+    """Cost at `target` error, interpolated (or extrapolated along a least-squares line
+    through the last three points) in log-log space."""
+    le, lc = np.log(np.asarray(errors)), np.log(np.asarray(costs))
+    order = np.argsort(le)
+    le, lc = le[order], lc[order]
+    lt = math.log(target)
+    if le[0] <= lt <= le[-1]:
+        return float(np.exp(np.interp(lt, le, lc))), False
+    sel = slice(0, 3) if lt < le[0] else slice(-3, None)
+    slope, intercept = np.polyfit(le[sel], lc[sel], 1)
+    return float(np.exp(intercept + slope * lt)), True
+
+
+def run(quick: bool = False) -> list[dict]:
+    ms = [2, 10] if quick else [2, 10, 50]
+    steps = [2.0**-k for k in range(2, 8 if quick else 9)]
+    n_paths = 64 if quick else 128
+    rows = []
+    summary = []
+    for m in ms:
+        chunk = 4 if m >= 50 else 32
+        errors = _errors(m, steps, n_paths, chunk)
+        timings = _timings(m, steps, n_batch=16, repeats=3 if quick else 5)
+        for name in errors:
+            for h, err, tm in zip(steps, errors[name], timings[name]):
+                rows.append(
+                    dict(
+                        m=m,
+                        method=name,
+                        dt=h,
+                        steps=round(1 / h),
+                        rms_error=err,
+                        n_terms=tm["n_terms"],
+                        run_s=tm["run_s"],
+                        compile_s=tm["compile_s"],
+                    )
+                )
+            slope = float(np.polyfit(np.log(steps), np.log(errors[name]), 1)[0])
+            cost, extrapolated = _cost_at(errors[name], [t["run_s"] for t in timings[name]])
+            steps_at, _ = _cost_at(errors[name], [1 / h for h in steps])
+            summary.append(
+                dict(
+                    m=m,
+                    method=name,
+                    order=slope,
+                    run_s_at_1e_3=cost,
+                    steps_at_1e_3=steps_at,
+                    extrapolated=extrapolated,
+                )
+            )
+    print(
+        markdown_table(
+            rows,
+            [
+                ("m", "m"),
+                ("method", "method"),
+                ("steps", "steps"),
+                ("rms_error", "RMS error"),
+                ("n_terms", "Fourier terms"),
+                ("run_s", "time / path"),
+                ("compile_s", "compile"),
+            ],
+        )
+    )
+    print()
+    print(f"Cost at RMS error {TARGET:g} (log-log interpolation; * = extrapolated):")
+    for s in summary:
+        s["method_flagged"] = s["method"] + (" *" if s["extrapolated"] else "")
+    print(
+        markdown_table(
+            summary,
+            [
+                ("m", "m"),
+                ("method_flagged", "method"),
+                ("order", "fitted strong order"),
+                ("steps_at_1e_3", "steps"),
+                ("run_s_at_1e_3", "time / path"),
+            ],
+        )
+    )
+    path = write_results("work_precision", rows, summary=summary, quick=quick, d=D, n_fine=N_FINE)
+    print(f"\nwrote {path}")
+    _plot(rows, ms)
+    return rows
+
+
+def _plot(rows, ms):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(ms), figsize=(5 * len(ms), 4.2), squeeze=False)
+    for ax, m in zip(axes[0], ms):
+        for name in _methods():
+            sel = [r for r in rows if r["m"] == m and r["method"] == name]
+            ax.loglog([r["run_s"] for r in sel], [r["rms_error"] for r in sel], "o-", label=name)
+        ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"d = {D}, m = {m}, non-commutative linear noise")
+        ax.set_xlabel("wall time per path (s)")
+        ax.set_ylabel("RMS error at t = 1")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    out = plot_path("work_precision")
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="m in {2, 10}, fewer steps")
+    run(quick=parser.parse_args().quick)

@@ -1,0 +1,270 @@
+r"""Milstein solvers for general (non-commutative) noise, with simulated iterated integrals.
+
+One step of $\mathrm{d}y = f(t, y)\,\mathrm{d}t + g(t, y)\,\mathrm{d}W$ over $[t_0, t_1]$:
+
+$$y_1 = y_0 + f \Delta t + g \Delta W + \sum_{j_1, j_2} (L^{j_1} g_{:, j_2})\,
+I_{j_1 j_2}, \qquad L^{j} = \sum_k g_{k j} \partial_k,$$
+
+with the iterated Itô integrals $I$ (or Stratonovich $J = I + \tfrac12 \delta h$) taken
+from the control, an [`diffrax_linearize.IteratedIntegrals`][]. The double sum is the only
+part whose cost depends on the structure of the diffusion; it is computed in one of two
+ways (see `GeneralItoMilstein(method=...)`).
+"""
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from diffrax import (
+    AbstractBrownianIncrement,
+    AbstractItoSolver,
+    AbstractStratonovichSolver,
+    AbstractTerm,
+    LocalLinearInterpolation,
+    MultiTerm,
+    RESULTS,
+)
+from jaxtyping import ArrayLike, Bool, PyTree, Real
+
+from .._levy_area import IteratedIntegrals
+from .._materialise import materialise
+from .._term import vf_derivative
+
+
+_RealScalarLike: TypeAlias = Real[ArrayLike, ""]
+_BoolScalarLike: TypeAlias = Bool[ArrayLike, ""]
+_Y: TypeAlias = PyTree[ArrayLike]
+_Terms: TypeAlias = MultiTerm[
+    tuple[AbstractTerm[Any, _RealScalarLike], AbstractTerm[Any, AbstractBrownianIncrement]]
+]
+ContractionMethod = Literal["auto", "contract", "jvp"]
+
+# `method="auto"` contracts the materialised derivative (d x m x d numbers) up to this size,
+# and falls back to m JVPs above it, so that memory stays bounded.
+_MAX_DERIVATIVE_ELEMENTS = 2**24
+
+
+def _levy_increment(diffusion: AbstractTerm, t0, t1, name: str) -> IteratedIntegrals:
+    increment = diffusion.contr(t0, t1, use_levy=True)
+    if not isinstance(increment, IteratedIntegrals):
+        raise TypeError(
+            f"`diffrax_linearize.{name}` needs the iterated integrals of the Brownian motion "
+            "over each step, but the diffusion's control returned "
+            f"{type(increment).__name__} from `evaluate(t0, t1, use_levy=True)`. Wrap the "
+            "Brownian motion: `diffrax.ControlTerm(g, diffrax_linearize.LevyAreaBrownianPath"
+            "(bm, dt=dt0))` (or use a `diffrax_linearize.GridLevyAreaPath`)."
+        )
+    return increment
+
+
+def _choose(method: ContractionMethod, y0, m: int) -> str:
+    if method != "auto":
+        return method
+    leaves = jtu.tree_leaves(y0)
+    if len(leaves) == 1 and jnp.ndim(leaves[0]) == 1:
+        d = jnp.shape(leaves[0])[0]
+        if d * m * d <= _MAX_DERIVATIVE_ELEMENTS:
+            return "contract"
+    return "jvp"
+
+
+def _double_sum_contract(diffusion, t0, y0, args, integrals):
+    r"""$\sum_{j_1 j_2} (L^{j_1} g_{:, j_2}) I_{j_1 j_2}$ as one contraction of the
+    materialised derivative `dg[i, j2, k]` with `g[k, j1]` and `I[j1, j2]`."""
+    g = materialise(diffusion, t0, y0, args)  # (d, m)
+    dg = vf_derivative(diffusion, t0, y0, args)  # (d, m, d)
+    # Contract g with I first (d m^2 flops), then with dg (d^2 m flops): never d m m d.
+    gi = g @ integrals  # [k, j2] = sum_{j1} g[k, j1] I[j1, j2]
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.einsum("ijk,kj->i", dg, gi)
+
+
+def _double_sum_jvp(diffusion, t0, y0, args, integrals):
+    r"""$\sum_{j_1} \partial_y (g(y) I_{j_1, :})\,[g_{:, j_1}]$: one JVP of
+    $y \mapsto g(y) c$ per noise channel $j_1$, vectorised with `jax.vmap`."""
+    m = integrals.shape[0]
+    vf = diffusion.vf(t0, y0, args)
+    eye = jnp.eye(m, dtype=integrals.dtype)
+
+    def along(e, row):
+        direction = diffusion.prod(vf, e)  # g[:, j1]
+        _, out = jax.jvp(
+            lambda y: diffusion.prod(diffusion.vf(t0, y, args), row), (y0,), (direction,)
+        )
+        return out
+
+    outs = jax.vmap(along)(eye, integrals)
+    return jtu.tree_map(lambda x: jnp.sum(x, axis=0), outs)
+
+
+def _general_milstein_step(
+    name: str, ito: bool, method: ContractionMethod, terms: _Terms, t0, t1, y0, args
+) -> _Y:
+    drift, diffusion = terms.terms
+    dt = drift.contr(t0, t1)
+    increment = _levy_increment(diffusion, t0, t1, name)
+    dW = increment.W
+    integrals = increment.ito() if ito else increment.stratonovich()
+
+    f0_prod = drift.vf_prod(t0, y0, args, dt)
+    g0_prod = diffusion.vf_prod(t0, y0, args, dW)
+    how = _choose(method, y0, dW.shape[0])
+    if how == "contract":
+        leaves = jtu.tree_leaves(y0)
+        if len(leaves) != 1 or jnp.ndim(leaves[0]) != 1:
+            raise ValueError(
+                f"`diffrax_linearize.{name}(method='contract')` needs a state that is one "
+                "array of shape `(d,)`; use `method='jvp'` (or `'auto'`) for PyTree states."
+            )
+        (y_leaf,) = leaves
+        correction = _double_sum_contract(diffusion, t0, y_leaf, args, integrals)
+        correction = jtu.tree_unflatten(jtu.tree_structure(y0), [correction])
+    elif how == "jvp":
+        correction = _double_sum_jvp(diffusion, t0, y0, args, integrals)
+    else:
+        raise ValueError(
+            f"`diffrax_linearize.{name}`: `method` must be 'auto', 'contract' or 'jvp', "
+            f"got {method!r}."
+        )
+    with jax.numpy_dtype_promotion("standard"):
+        return jtu.tree_map(
+            lambda y, f, g, c: y + f + g + c.astype(jnp.result_type(y)),
+            y0,
+            f0_prod,
+            g0_prod,
+            correction,
+        )
+
+
+_DOC_COMMON = r"""
+
+    The double sum is evaluated in one of two ways, chosen by `method`:
+
+    - `"contract"`: materialise $g$ ($d \times m$, with
+      [`diffrax_linearize.materialise`][]) and its state derivative
+      $\partial_k g_{i j}$ ($d \times m \times d$, with
+      [`diffrax_linearize.vf_derivative`][]), then contract
+      $\sum_{j k} \partial_k g_{i j} (g I)_{k j}$: $d m (d + m)$ flops, no $d \times m
+      \times m$ tensor. For a diffusion linear in the state, $g(y)_{:, j} = A_j y$, the
+      structure engine returns the stored $A$ as the derivative with no work, so the
+      step costs little more than an Euler-Maruyama step ($d^2 m$ for $g$ itself).
+    - `"jvp"`: one JVP of $y \mapsto g(y) I_{j_1, :}$ in the direction $g_{:, j_1}$ per
+      channel $j_1$, vectorised: $m$ times the cost of the diffusion (for a dense linear
+      diffusion $d^2 m^2$ flops), but works for any PyTree state and any
+      [`diffrax.AbstractTerm.prod`][], with nothing materialised.
+    - `"auto"` (default): `"contract"` when the state is one array of shape `(d,)` and
+      $d^2 m \le 2^{24}$, since then it is never more expensive; otherwise `"jvp"`.
+
+    This should be called with `terms=MultiTerm(drift_term, diffusion_term)`, where the
+    drift is an [`diffrax.ODETerm`][] and the diffusion's control is a
+    [`diffrax_linearize.LevyAreaBrownianPath`][] (or a
+    [`diffrax_linearize.GridLevyAreaPath`][]) of shape `(m,)`: the solver asks it for
+    `evaluate(t0, t1, use_levy=True)`. The strong order is one for any noise, provided the
+    Lévy areas are accurate to $O(h^{3/2})$ in $L^2$ (the default `dt=` rule of
+    `LevyAreaBrownianPath`). Fixed steps only: for adaptive steps the areas of a step that
+    is halved are not Chen-consistent with those of the halves.
+"""
+
+
+class GeneralItoMilstein(AbstractItoSolver):
+    __doc__ = (
+        r"""Milstein's method for general (non-commutative) noise; Itô version.
+    Converges to the Itô solution with strong order one whatever the noise, by using the
+    simulated iterated Itô integrals $I_{j_1 j_2}$ of each step. Uses local linear
+    interpolation for dense/ts output.
+
+    One step is
+    $y_1 = y_0 + f \Delta t + g \Delta W + \sum_{j_1 j_2} (L^{j_1} g_{:, j_2})
+    I_{j_1 j_2}$ with $L^j = \sum_k g_{kj} \partial_k$ and $f, g$ at $(t_0, y_0)$."""
+        + _DOC_COMMON
+    )
+
+    method: ContractionMethod = eqx.field(default="auto", static=True)
+
+    term_structure: ClassVar = _Terms
+    term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
+    interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
+
+    def order(self, terms):
+        raise ValueError("`diffrax_linearize.GeneralItoMilstein` should not be used to solve ODEs.")
+
+    def strong_order(self, terms):
+        return 1
+
+    def init(self, terms: _Terms, t0, t1, y0: _Y, args) -> None:
+        return None
+
+    def step(
+        self,
+        terms: _Terms,
+        t0: _RealScalarLike,
+        t1: _RealScalarLike,
+        y0: _Y,
+        args,
+        solver_state: None,
+        made_jump: _BoolScalarLike,
+    ) -> tuple[_Y, None, dict[str, _Y], None, RESULTS]:
+        del solver_state, made_jump
+        y1 = _general_milstein_step(
+            "GeneralItoMilstein", True, self.method, terms, t0, t1, y0, args
+        )
+        return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
+
+    def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
+        drift, diffusion = terms.terms
+        return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
+
+
+class GeneralStratonovichMilstein(AbstractStratonovichSolver):
+    __doc__ = (
+        r"""Milstein's method for general (non-commutative) noise; Stratonovich
+    version. Converges to the Stratonovich solution with strong order one whatever the
+    noise, by using the simulated iterated Stratonovich integrals
+    $J_{j_1 j_2} = I_{j_1 j_2} + \tfrac12 \delta_{j_1 j_2} h$ of each step. Uses local
+    linear interpolation for dense/ts output.
+
+    One step is
+    $y_1 = y_0 + f \Delta t + g \Delta W + \sum_{j_1 j_2} (L^{j_1} g_{:, j_2})
+    J_{j_1 j_2}$ with $L^j = \sum_k g_{kj} \partial_k$ and $f, g$ at $(t_0, y_0)$."""
+        + _DOC_COMMON
+    )
+
+    method: ContractionMethod = eqx.field(default="auto", static=True)
+
+    term_structure: ClassVar = _Terms
+    term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
+    interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
+
+    def order(self, terms):
+        raise ValueError(
+            "`diffrax_linearize.GeneralStratonovichMilstein` should not be used to solve ODEs."
+        )
+
+    def strong_order(self, terms):
+        return 1
+
+    def init(self, terms: _Terms, t0, t1, y0: _Y, args) -> None:
+        return None
+
+    def step(
+        self,
+        terms: _Terms,
+        t0: _RealScalarLike,
+        t1: _RealScalarLike,
+        y0: _Y,
+        args,
+        solver_state: None,
+        made_jump: _BoolScalarLike,
+    ) -> tuple[_Y, None, dict[str, _Y], None, RESULTS]:
+        del solver_state, made_jump
+        y1 = _general_milstein_step(
+            "GeneralStratonovichMilstein", False, self.method, terms, t0, t1, y0, args
+        )
+        return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
+
+    def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
+        drift, diffusion = terms.terms
+        return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
