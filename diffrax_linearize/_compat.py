@@ -1,13 +1,23 @@
-"""Every use of JAX internals in this package, in one place.
+"""Every use of JAX (and Diffrax) internals in this package, in one place.
 
 JAX's internals differ between the versions we support (0.10, 0.11, 0.12): a JAX upgrade
 should be a change to this file alone. Public `jax.extend` names are preferred where
 they exist.
 """
 
+import diffrax._adjoint as _diffrax_adjoint
 import jax
 import jax.extend.core as jex_core
+from diffrax._heuristics import is_sde as is_sde, is_unsafe_sde as is_unsafe_sde
+from diffrax._saveat import save_y as save_y
+from diffrax._solver.srk import AbstractSRK as AbstractSRK, AdditiveCoeffs as AdditiveCoeffs
 from jax.extend.core import primitives as _prims
+
+
+# Diffrax 0.7.2's own custom-VJP helpers, reused by the backsolve adjoint so that its
+# forward pass and checks are exactly Diffrax's.
+nondiff_solver_controller_state = _diffrax_adjoint._nondiff_solver_controller_state
+only_transpose_ys = _diffrax_adjoint._only_transpose_ys
 
 
 Jaxpr = jex_core.Jaxpr

@@ -20,6 +20,7 @@ is skipped, so that the Jacobian of `x -> A @ x` is `A` itself.
 """
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -382,6 +383,19 @@ class Struct:
         """`val` after densifying everything: shape `out_shape + in_shape`, labels in order."""
         d = self.densify_out().densify_in()
         return place(d.val, d.val_labels, d.out_labels + d.in_labels)
+
+    def diagonal(self):
+        """The diagonal `J[o, o]` of a block whose out and in shapes are equal, as an array
+        of that shape. Free for a block that is a delta along every axis (identity, scaled
+        identity, diagonal); otherwise read off the dense block."""
+        assert self.out_shape == self.in_shape
+        c = self.canonical()
+        if all(c.in_labels[k] == c.out_labels[k] for k in range(len(c.out_shape))):
+            val = jnp.asarray(c.val)
+            return jnp.broadcast_to(place(val, c.val_labels, c.out_labels), c.out_shape)
+        n = math.prod(self.out_shape)
+        dense = self.to_dense().reshape(n, n)
+        return jnp.diagonal(dense).reshape(self.out_shape)
 
     def to_dense(self):
         """The block as a plain array of shape `out_shape + in_shape`.

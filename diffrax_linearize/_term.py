@@ -213,13 +213,17 @@ def _quadratic(term, t, y, args, control):
 def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]:
     """$\\sum_j L^j g^j = \\sum_j (\\partial g_{:, j} / \\partial y)\\, g_{:, j}$: the
     derivative of each column of the diffusion matrix in the direction of that column,
-    summed over the noise channels. This is the Itô correction of the Milstein method.
+    summed over the noise channels. This is the Itô correction of the Milstein method, and
+    (times $-\\tfrac12$) the drift correction between Itô and Stratonovich SDEs.
 
-    Computed from the detected structure: zero for additive noise; one JVP for scalar and
-    diagonal noise (for diagonal noise this assumes the noise is commutative, that is,
-    $g_{ii}$ depends on $y_i$ alone: the assumption of the Milstein method itself); otherwise
-    one contraction of the structured derivative of the diffusion matrix with the matrix,
-    never a dense `d x m x d` tensor unless the derivative is dense.
+    Exact for any noise, and computed from the detected structure: zero for additive noise;
+    one JVP for scalar noise; for diagonal noise $g = \\mathrm{diag}(\\sigma(y))$,
+    $\\sigma \\odot \\mathrm{diag}(\\partial \\sigma / \\partial y)$ with the diagonal of
+    the structured Jacobian of $\\sigma$ (free when $\\sigma$ acts elementwise); otherwise
+    one contraction of the structured derivative of the diffusion matrix with the matrix
+    (for $g(y) = A y$ the stored tensor $A$; for $g_{ij} = y_i G_{ij}$ a delta times $G$),
+    never `m` JVPs through `prod` and never a dense `d x m x d` tensor unless the
+    derivative is dense.
 
     **Arguments:** `term`, `t`, `y`, `args` as for [`diffrax_linearize.materialise`][].
 
@@ -231,9 +235,20 @@ def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]
     if kind == "additive":
         return jtu.tree_map(jnp.zeros_like, y)
     control = control_zeros(term, t)
-    if kind in ("scalar", "diagonal"):
-        ones = jtu.tree_map(jnp.ones_like, control)
+    ones = jtu.tree_map(jnp.ones_like, control)
+    if kind == "scalar":
         return _quadratic(term, t, y, args, ones)
+    if kind == "diagonal":
+        # g = diag(sigma): sum_j sum_k d g_ij / d y_k g_kj = sigma_i d sigma_i / d y_i.
+        def sigma(y):
+            return term.prod(term.vf(t, y, args), ones)
+
+        blocks, _, _ = structured_blocks(sigma, y)
+        (block,) = blocks[0]
+        s = sigma(y)
+        if block is None:
+            return jnp.zeros_like(s)
+        return s * block.diagonal().astype(s.dtype)
     matrix = jtu.tree_leaves(materialise(term, t, y, args))
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     y_leaves, y_tree = jtu.tree_flatten(y)

@@ -95,6 +95,10 @@ def _terms():
         "diagonal_lineax": diffrax.ControlTerm(
             lambda t, y, args: lx.DiagonalLinearOperator(jnp.cos(y) * t), _bm((D,), k[4])
         ),
+        "diagonal_coupled": diffrax.ControlTerm(
+            lambda t, y, args: lx.DiagonalLinearOperator(jnp.sin(y) * jnp.sum(y**2)),
+            _bm((D,), k[4]),
+        ),
         "matrix_lineax": diffrax.ControlTerm(
             lambda t, y, args: lx.MatrixLinearOperator(y[:, None] * g), _bm((M,), k[3])
         ),
@@ -271,7 +275,16 @@ def _reference_trace(term, t, y, args):
 
 
 @pytest.mark.parametrize(
-    "name", ["constant", "row_scaled", "linear", "nonlinear", "diagonal_lineax", "weakly_diagonal"]
+    "name",
+    [
+        "constant",
+        "row_scaled",
+        "linear",
+        "nonlinear",
+        "diagonal_lineax",
+        "diagonal_coupled",  # diagonal but not commutative: still exact
+        "weakly_diagonal",
+    ],
 )
 def test_milstein_trace_term(name):
     term = TERMS[name]

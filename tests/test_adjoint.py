@@ -1,0 +1,269 @@
+"""`diffrax_linearize.BacksolveAdjoint` against `diffrax.RecursiveCheckpointAdjoint` (the exact
+gradient of the discrete forward pass) on the same Brownian path."""
+
+import diffrax
+import diffrax_linearize as dl
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from diffrax_linearize._adjoint import _AdjointTerm, _identity
+
+
+jax.config.update("jax_enable_x64", True)
+
+D = M = 3
+T1 = 1.0
+
+
+class Drift(eqx.Module):
+    W: jax.Array
+
+    def __call__(self, t, y, args):
+        return jnp.tanh(self.W @ y) * args - 0.1 * y
+
+
+class Diffusion(eqx.Module):
+    """$g_{ij} = \\sin(y_i) G_{ij}$: commutative noise
+    ($L^{j_1} g_{i j_2} = \\sin y_i \\cos y_i G_{i j_1} G_{i j_2}$ is symmetric), so Milstein
+    methods reach strong order one."""
+
+    G: jax.Array
+
+    def __call__(self, t, y, args):
+        return jnp.sin(y)[:, None] * self.G
+
+
+def _model(key):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    drift = Drift(0.5 * jax.random.normal(k1, (D, D)))
+    diffusion = Diffusion(0.3 * jax.random.normal(k2, (D, M)))
+    bm = diffrax.VirtualBrownianTree(0.0, T1, 1e-5, (M,), key=k3)
+    y0 = 1.0 + 0.1 * jax.random.normal(k4, (D,))
+    return drift, diffusion, bm, y0, jnp.array(0.7)
+
+
+def _grads(adjoint, solver, drift, diffusion, bm, y0, args, *, dt, saveat, sde=True):
+    @eqx.filter_jit
+    def grads(y0, args, drift, diffusion):
+        def loss(y0, args, drift, diffusion):
+            if sde:
+                terms = diffrax.MultiTerm(
+                    diffrax.ODETerm(drift), diffrax.ControlTerm(diffusion, bm)
+                )
+            else:
+                terms = diffrax.ODETerm(drift)
+            sol = diffrax.diffeqsolve(
+                terms, solver, 0.0, T1, dt, y0, args, saveat=saveat, adjoint=adjoint
+            )
+            return jnp.sum(sol.ys**2) + jnp.sum(jnp.cos(sol.ys))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(y0, args, drift, diffusion)
+
+    return grads(y0, args, drift, diffusion)
+
+
+def _rel_errors(actual, expected) -> list[float]:
+    """Relative error of every leaf, in the Euclidean norm."""
+    a_leaves, a_tree = jtu.tree_flatten(actual)
+    e_leaves, e_tree = jtu.tree_flatten(expected)
+    assert a_tree == e_tree
+    errors = []
+    for a, e in zip(a_leaves, e_leaves):
+        a, e = np.asarray(a), np.asarray(e)
+        scale = np.linalg.norm(e)
+        errors.append(float(np.linalg.norm(a - e) / (scale if scale > 0 else 1.0)))
+    return errors
+
+
+# Save times on the step grid: the backward pass solves between save times, and a save
+# time off the grid would put its steps (and Brownian increments) elsewhere.
+SAVEATS = {
+    "t1": diffrax.SaveAt(t1=True),
+    "ts": diffrax.SaveAt(ts=jnp.array([0.25, 0.5, 0.75, T1])),
+    "t0+ts": diffrax.SaveAt(t0=True, ts=jnp.array([0.5, T1])),
+}
+
+
+@pytest.mark.parametrize(
+    "solver, dt, saveat",
+    [
+        (diffrax.Tsit5(), 2.0**-4, "t1"),  # FSAL: calls the adjoint `vf` (structure engine)
+        # The vf_prod-only backward solver; with several save times Diffrax's own
+        # backsolve is off by 1e-4 here (see `_ReversibleHeunVfProd`).
+        (diffrax.ReversibleHeun(), 2.0**-6, "t0+ts"),
+    ],
+)
+def test_ode(getkey, solver, dt, saveat):
+    drift, diffusion, bm, y0, args = _model(getkey())
+    kw = dict(dt=dt, saveat=SAVEATS[saveat], sde=False)
+    ours = _grads(dl.BacksolveAdjoint(), solver, drift, diffusion, bm, y0, args, **kw)
+    ref = _grads(diffrax.RecursiveCheckpointAdjoint(), solver, drift, diffusion, bm, y0, args, **kw)
+    assert max(_rel_errors(ours, ref)) < 1e-7
+
+
+# At 2^-10 steps the continuous adjoint agrees with the discrete gradient to 1e-4 or
+# better for these schemes (Milstein: strong order one on this commutative noise).
+@pytest.mark.parametrize(
+    "solver, saveat",
+    [
+        (diffrax.ReversibleHeun(), "ts"),
+        pytest.param(diffrax.Heun(), "t1", marks=pytest.mark.slow),
+        pytest.param(diffrax.EulerHeun(), "t1", marks=pytest.mark.slow),
+        (dl.StratonovichMilstein(), "t1"),
+    ],
+    ids=lambda x: type(x).__name__ if not isinstance(x, str) else x,
+)
+def test_stratonovich_sde(getkey, solver, saveat):
+    drift, diffusion, bm, y0, args = _model(getkey())
+    kw = dict(dt=2.0**-10, saveat=SAVEATS[saveat])
+    ours = _grads(dl.BacksolveAdjoint(), solver, drift, diffusion, bm, y0, args, **kw)
+    ref = _grads(diffrax.RecursiveCheckpointAdjoint(), solver, drift, diffusion, bm, y0, args, **kw)
+    assert max(_rel_errors(ours, ref)) < 1e-3
+
+
+@pytest.mark.parametrize(
+    "solver, dt, rtol",
+    [
+        (dl.ItoMilstein(), 2.0**-10, 1e-3),  # backward: StratonovichMilstein
+        # backward: EulerHeun; strong order 0.5
+        pytest.param(diffrax.Euler(), 2.0**-10, 2e-2, marks=pytest.mark.slow),
+    ],
+    ids=["ItoMilstein", "Euler"],
+)
+def test_ito_sde(getkey, solver, dt, rtol):
+    drift, diffusion, bm, y0, args = _model(getkey())
+    kw = dict(dt=dt, saveat=SAVEATS["t1"])
+    ours = _grads(dl.BacksolveAdjoint(), solver, drift, diffusion, bm, y0, args, **kw)
+    ref = _grads(diffrax.RecursiveCheckpointAdjoint(), solver, drift, diffusion, bm, y0, args, **kw)
+    assert max(_rel_errors(ours, ref)) < rtol
+    if not isinstance(solver, dl.ItoMilstein):
+        return
+    # The Itô correction matters here: the Stratonovich gradient is far from the Itô one,
+    # so a backward pass that forgot the correction would fail the check above.
+    strat = _grads(
+        diffrax.RecursiveCheckpointAdjoint(),
+        diffrax.EulerHeun(),
+        drift,
+        diffusion,
+        bm,
+        y0,
+        args,
+        **kw,
+    )
+    assert max(_rel_errors(strat, ref)) > 10 * rtol
+
+
+class PytreeDrift(eqx.Module):
+    W: jax.Array
+
+    def __call__(self, t, y, args):
+        a, b = y["a"], y["b"]
+        return {"a": jnp.tanh(self.W @ b)[:2] * args, "b": -0.3 * b + jnp.sum(a**2)}
+
+
+class PytreeDiffusion(eqx.Module):
+    G: jax.Array
+
+    def __call__(self, t, y, args):
+        return {"a": 0.2 * jnp.cos(y["a"])[:, None] * self.G[:2, :2], "b": 0.1 * self.G}
+
+
+# A pytree Brownian motion matching the pytree diffusion.
+_PYTREE_NOISE = {
+    "a": jax.ShapeDtypeStruct((2,), jnp.float64),
+    "b": jax.ShapeDtypeStruct((M,), jnp.float64),
+}
+
+
+def test_pytree_state(getkey):
+    solver = diffrax.EulerHeun()  # a MultiTerm solver
+    k1, k2, k3 = jax.random.split(getkey(), 3)
+    drift = PytreeDrift(0.5 * jax.random.normal(k1, (D, D)))
+    diffusion = PytreeDiffusion(jax.random.normal(k2, (D, M)))
+    bm = diffrax.VirtualBrownianTree(0.0, T1, 1e-5, _PYTREE_NOISE, key=k3)
+    y0 = {"a": jnp.array([0.3, -0.2]), "b": jnp.array([1.0, 0.5, -0.5])}
+
+    def grads(adjoint):
+        @eqx.filter_jit
+        def _grads(y0, args, drift, diffusion):
+            def loss(y0, args, drift, diffusion):
+                terms = diffrax.MultiTerm(
+                    diffrax.ODETerm(drift), diffrax.ControlTerm(diffusion, bm)
+                )
+                sol = diffrax.diffeqsolve(
+                    terms,
+                    solver,
+                    0.0,
+                    T1,
+                    2.0**-10,
+                    y0,
+                    args,
+                    saveat=SAVEATS["t1"],
+                    adjoint=adjoint,
+                )
+                return sum(jnp.sum(jnp.sin(x)) for x in jtu.tree_leaves(sol.ys))
+
+            return jax.grad(loss, argnums=(0, 1, 2, 3))(y0, args, drift, diffusion)
+
+        return _grads(y0, jnp.array(0.7), drift, diffusion)
+
+    ours = grads(dl.BacksolveAdjoint())
+    ref = grads(diffrax.RecursiveCheckpointAdjoint())
+    assert max(_rel_errors(ours, ref)) < 1e-3
+
+
+def test_adjoint_vf_matches_jacfwd(getkey):
+    # The adjoint vector field from the structure engine is exactly Diffrax's
+    # (jacfwd/jacrev over the control), pytree state included.
+    k1, k2, k3, k4 = jax.random.split(getkey(), 4)
+    diffusion = PytreeDiffusion(jax.random.normal(k1, (D, M)))
+    bm = diffrax.VirtualBrownianTree(0.0, T1, 1e-3, _PYTREE_NOISE, key=k2)
+    term = diffrax.ControlTerm(diffusion, bm)
+    y = {"a": jax.random.normal(k3, (2,)), "b": jax.random.normal(k4, (3,))}
+    a_y = jtu.tree_map(lambda x: 2.0 * x + 1.0, y)
+    a_terms = jtu.tree_map(jnp.zeros_like, eqx.filter(term, eqx.is_inexact_array))
+    aug = (y, a_y, None, a_terms)
+    ours = _AdjointTerm(term, _identity, None).vf(0.3, aug, None)
+    theirs = diffrax._term.AdjointTerm(term).vf(0.3, aug, None)  # pyright: ignore
+    assert _rel_errors(ours, theirs) and max(_rel_errors(ours, theirs)) < 1e-14
+
+
+def _solve(adjoint, solver=diffrax.EulerHeun(), saveat=None, unsafe=False):
+    drift, diffusion, bm, y0, args = _model(jax.random.key(0))
+    if unsafe:
+        bm = diffrax.UnsafeBrownianPath((M,), key=jax.random.key(1))
+    terms = diffrax.MultiTerm(diffrax.ODETerm(drift), diffrax.ControlTerm(diffusion, bm))
+
+    def loss(y0):
+        sol = diffrax.diffeqsolve(
+            terms,
+            solver,
+            0.0,
+            T1,
+            0.1,
+            y0,
+            args,
+            saveat=saveat or diffrax.SaveAt(t1=True),
+            adjoint=adjoint,
+        )
+        return jnp.sum(sol.ys)
+
+    return jax.grad(loss)(y0)
+
+
+def test_errors():
+    with pytest.raises(NotImplementedError, match=r"diffrax_linearize\.BacksolveAdjoint.*steps"):
+        _solve(dl.BacksolveAdjoint(), saveat=diffrax.SaveAt(steps=True))
+    with pytest.raises(ValueError, match=r"Stratonovich.*EulerHeun"):
+        _solve(dl.BacksolveAdjoint(solver=diffrax.Euler()), solver=diffrax.Euler())
+    with pytest.raises(NotImplementedError, match=r"SRA1.*additive noise.*SPaRK"):
+        _solve(dl.BacksolveAdjoint(solver=diffrax.SRA1()))
+    with pytest.raises(ValueError, match=r"unexpected keyword arguments \['saveat'\]"):
+        dl.BacksolveAdjoint(saveat=diffrax.SaveAt(t1=True))
+    with pytest.raises(
+        ValueError, match=r"diffrax_linearize\.BacksolveAdjoint.*UnsafeBrownianPath"
+    ):
+        _solve(dl.BacksolveAdjoint(), unsafe=True)
