@@ -30,7 +30,7 @@ test: $(STAMP) lint
 docs: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
 	$(PY) -m benchmarks.report
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache

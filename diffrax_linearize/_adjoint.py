@@ -4,7 +4,7 @@ structure engine, for the solvers and SDEs that `diffrax.BacksolveAdjoint` rejec
 Diffrax's `AdjointTerm.vf` materialises the linear map `control -> vf_prod(..., control)`
 with `jax.jacfwd`/`jax.jacrev` over the control: $1 + m$ forward-over-reverse passes per
 evaluation. Here the same matrix comes from [`diffrax_linearize.materialise`][], and the
-solver that calls `vf` at every step, [`diffrax.ReversibleHeun`][], is run backwards in an
+solver that calls `vf` at every step, `diffrax.ReversibleHeun`, is run backwards in an
 exactly equivalent form that needs `vf_prod` (one VJP) only.
 """
 
@@ -200,7 +200,7 @@ def _adjoint_terms(terms, convert: Callable, split: bool):
 
 
 class _ReversibleHeunVfProd(diffrax.AbstractAdaptiveSolver, diffrax.AbstractStratonovichSolver):
-    """[`diffrax.ReversibleHeun`][] with `prod(vf(t, y), control)` replaced by
+    """`diffrax.ReversibleHeun` with `prod(vf(t, y), control)` replaced by
     `vf_prod(t, y, control)`, for the backward pass.
 
     Reversible Heun keeps `vf(t0, yhat0)` in its state and uses it as
@@ -468,30 +468,30 @@ def _loop_backsolve_bwd(
 
 
 class BacksolveAdjoint(diffrax.AbstractAdjoint):
-    r"""Backpropagate through [`diffrax.diffeqsolve`][] by solving the continuous adjoint
-    equations backwards in time: a drop-in replacement for [`diffrax.BacksolveAdjoint`][]
+    r"""Backpropagate through `diffrax.diffeqsolve` by solving the continuous adjoint
+    equations backwards in time: a drop-in replacement for `diffrax.BacksolveAdjoint`
     (same arguments, same `SaveAt` support, same Brownian-path requirements), with O(1)
     memory in the number of steps.
 
     Differences from Diffrax's:
 
-    - **The adjoint vector field** (what [`diffrax.ReversibleHeun`][] and FSAL Runge-Kutta
+    - **The adjoint vector field** (what `diffrax.ReversibleHeun` and FSAL Runge-Kutta
       solvers evaluate) is the matrix of the linear map
       $c \mapsto \mathrm{vf\_prod}(t, (y, a), c)$, read off its jaxpr by
       [`diffrax_linearize.materialise`][] rather than by one `jacfwd`/`jacrev` pass per
-      noise channel. [`diffrax.ReversibleHeun`][] goes further: it is run backwards in an
+      noise channel. `diffrax.ReversibleHeun` goes further: it is run backwards in an
       algebraically identical form that stores the point where it evaluated the vector
       field instead of the vector field, and needs `vf_prod` (one VJP) only, never the
       $(2d + p) \times m$ matrix. The result is the same up to floating-point rounding.
-    - **Solvers whose terms are a [`diffrax.MultiTerm`][]** ([`diffrax.EulerHeun`][],
-      [`diffrax.StratonovichMilstein`][], [`diffrax_linearize.StratonovichMilstein`][],
-      [`diffrax.SPaRK`][], ...) work: the adjoint of `MultiTerm(f, g)` is
+    - **Solvers whose terms are a `diffrax.MultiTerm`** (`diffrax.EulerHeun`,
+      `diffrax.StratonovichMilstein`, [`diffrax_linearize.StratonovichMilstein`][],
+      `diffrax.SPaRK`, ...) work: the adjoint of `MultiTerm(f, g)` is
       `MultiTerm(adjoint(f), adjoint(g))` on the shared augmented state.
     - **Itô SDEs** work. An Itô SDE $dy = f\,dt + g\,dW$ is the Stratonovich SDE with drift
       $f - \tfrac12 \sum_j (\partial g_{:,j}/\partial y) g_{:,j}$ (the sum from
       [`diffrax_linearize.milstein_trace_term`][]); the backward pass solves the adjoint of
       that Stratonovich SDE, with [`diffrax_linearize.StratonovichMilstein`][] when the
-      forward solver is an Itô Milstein method and [`diffrax.EulerHeun`][] otherwise (or
+      forward solver is an Itô Milstein method and `diffrax.EulerHeun` otherwise (or
       with `solver=` if given, which must be a Stratonovich solver). The terms must be
       `MultiTerm(drift, diffusion)` with one Brownian diffusion and a drift controlled by
       `dt`. For diagonal noise the correction assumes, as
@@ -499,9 +499,9 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
 
     As for any backsolve adjoint, the gradients are those of the continuous solution,
     accurate to the discretisation error of the forward and backward solves (not the exact
-    gradients of the discrete forward pass, as [`diffrax.RecursiveCheckpointAdjoint`][]
+    gradients of the discrete forward pass, as `diffrax.RecursiveCheckpointAdjoint`
     gives), and the Brownian motion must be re-evaluable backwards in time: use
-    [`diffrax.VirtualBrownianTree`][], not [`diffrax.UnsafeBrownianPath`][].
+    `diffrax.VirtualBrownianTree`, not `diffrax.UnsafeBrownianPath`.
 
     Gradients are with respect to `y0`, `args` and `terms`; anything else (`t0`, values
     closed over) raises JAX's `CustomVJPException`, as for Diffrax's.
@@ -512,7 +512,7 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
     def __init__(self, **kwargs):
         """**Arguments:**
 
-        - `**kwargs`: the arguments of the [`diffrax.diffeqsolve`][] calls of the backward
+        - `**kwargs`: the arguments of the `diffrax.diffeqsolve` calls of the backward
             pass: `solver`, `dt0`, `stepsize_controller`, `adjoint`, `max_steps`, `throw`.
             For example `BacksolveAdjoint(solver=diffrax.EulerHeun())`. By default the
             backward pass uses the forward solver (for Itô SDEs, see above).

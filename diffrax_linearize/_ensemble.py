@@ -31,7 +31,7 @@ class EnsembleSolution(eqx.Module):
 
     **Fields:**
 
-    - `paths`: the per-path [`diffrax.Solution`][], every array with a leading path axis
+    - `paths`: the per-path `diffrax.Solution`, every array with a leading path axis
         of length `num_paths`, sharded over the mesh; or `None` if `return_paths=False`.
     - `ts`: the save times, shared by all paths (those of the first path); `None` if
         nothing was saved.
@@ -42,7 +42,7 @@ class EnsembleSolution(eqx.Module):
     - `quantiles`: the quantiles of `ys` over paths, each leaf with a leading axis of
         length `len(q)`, computed as `numpy.quantile(..., method="linear")`; or `None`.
     - `num_failed`: how many paths did not finish successfully (see
-        [`diffrax.RESULTS`][]); reductions include those paths.
+        `diffrax.RESULTS`); reductions include those paths.
     - `num_paths`: the number of paths, as a Python integer.
     """
 
@@ -227,7 +227,7 @@ def solve_ensemble(
 
     Path $i$ is `diffrax.diffeqsolve(terms(keys[i]), solver, t0, t1, dt0, y0, args,
     saveat=saveat, ...)` (with `y0[i]`, `args[i]` if batched). The path axis is split
-    evenly over the devices of `mesh` with [`jax.shard_map`][]; each device solves its
+    evenly over the devices of `mesh` with `jax.shard_map`; each device solves its
     paths `chunk_size` at a time (a `jax.vmap` over a chunk inside a `jax.lax.map` over
     chunks), so memory per device is bounded by the chunk size (plus the saved values,
     if paths or quantiles are requested). A path count that does not divide evenly is
@@ -246,7 +246,7 @@ def solve_ensemble(
     if returned, stay sharded.
 
     Works with every solver, diffrax's or this package's, since each path is an
-    ordinary [`diffrax.diffeqsolve`][]. Results equal `jax.vmap` of `diffeqsolve` over
+    ordinary `diffrax.diffeqsolve`. Results equal `jax.vmap` of `diffeqsolve` over
     the same keys, path for path.
 
     **Arguments:**
@@ -256,7 +256,7 @@ def solve_ensemble(
         `lambda key: MultiTerm(ODETerm(f), ControlTerm(g, VirtualBrownianTree(t0, t1,
         tol, shape, key)))`.
     - `solver`, `t0`, `t1`, `dt0`, `y0`, `args`, `saveat`: as for
-        [`diffrax.diffeqsolve`][], shared by every path.
+        `diffrax.diffeqsolve`, shared by every path.
     - `keys`: a one-dimensional array of keys, as from
         `jax.random.split(jax.random.key(seed), num_paths)` (or legacy raw keys of
         shape `(num_paths, 2)`): one path per key.
@@ -270,7 +270,7 @@ def solve_ensemble(
         `quantiles`, each device keeps only the statistics of the chunk it is solving.
     - `chunk_size`: how many paths each device solves at once. Defaults to all of its
         paths.
-    - `mesh`: the [`jax.sharding.Mesh`][] to shard paths over. Defaults to a
+    - `mesh`: the `jax.sharding.Mesh` to shard paths over. Defaults to a
         one-dimensional mesh of all devices, `jax.devices()` (every host's, after
         `jax.distributed.initialize()`).
     - `axis_names`: the mesh axes to shard paths over (their product). Defaults to all
@@ -280,7 +280,7 @@ def solve_ensemble(
         mesh of several devices the check is made on the host once the solve has
         finished (so the call blocks), and `throw=True` is not available inside
         `jax.jit`.
-    - `**diffeqsolve_kwargs`: passed on to [`diffrax.diffeqsolve`][]
+    - `**diffeqsolve_kwargs`: passed on to `diffrax.diffeqsolve`
         (`stepsize_controller`, `max_steps`, `adjoint`, ...).
 
     **Returns:**

@@ -1,10 +1,11 @@
 """The structure interpreter: evaluates a linear jaxpr on structured Jacobian blocks.
 
 Each variable of the jaxpr holds either a constant (an ordinary array: it does not depend on
-the inputs being differentiated) or a [`Lin`][]: the Jacobian of the variable with respect to
-every input leaf, one structured block per leaf. Equations whose inputs are all constant are
-evaluated as usual. The others go to the rule registered for their primitive, or to the
-exact dense fallback: the equation applied, with `jax.vmap`, to the dense Jacobian columns.
+the inputs being differentiated) or a [`Lin`][diffrax_linearize.internal.Lin]: the Jacobian
+of the variable with respect to every input leaf, one structured block per leaf. Equations
+whose inputs are all constant are evaluated as usual. The others go to the rule registered
+for their primitive, or to the exact dense fallback: the equation applied, with `jax.vmap`,
+to the dense Jacobian columns.
 """
 
 import dataclasses
@@ -53,8 +54,9 @@ _RULES: dict[object, Rule] = {}
 def register_rule(*prims):
     """Decorator: register `rule(ctx, eqn, invals) -> outvals` for the given primitives.
 
-    `invals` holds, per input of the equation, a [`Lin`][] or a constant array; the rule
-    returns one value per output. A rule may return `NotImplemented` to hand the equation
+    `invals` holds, per input of the equation, a
+    [`Lin`][diffrax_linearize.internal.Lin] or a constant array; the rule returns one value
+    per output. A rule may return `NotImplemented` to hand the equation
     to the exact dense fallback (for a case it does not cover).
     """
 
@@ -96,7 +98,8 @@ def eval_jaxpr(jaxpr, consts, invals, apply_eqn: Callable[[object, list], list])
 
 
 def interpret(ctx: Context, jaxpr, consts, invals) -> list:
-    """Evaluate `jaxpr` on `invals` (each a [`Lin`][] or a constant)."""
+    """Evaluate `jaxpr` on `invals`, each a [`Lin`][diffrax_linearize.internal.Lin] or a
+    constant."""
 
     def apply_eqn(eqn, vals):
         if any(isinstance(x, Lin) for x in vals):

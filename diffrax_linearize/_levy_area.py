@@ -241,7 +241,7 @@ def _single_leaf(tree, what: str, api: str):
 
 class LevyAreaBrownianPath(AbstractBrownianPath):
     r"""A Brownian motion that also provides the Lévy area of each step: wraps a Diffrax
-    Brownian motion (typically a [`diffrax.VirtualBrownianTree`][]) and, when evaluated
+    Brownian motion (typically a `diffrax.VirtualBrownianTree`) and, when evaluated
     with `use_levy=True`, samples the Lévy area over $[t_0, t_1]$ conditionally on the
     wrapped path's own increment.
 

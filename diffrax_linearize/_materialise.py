@@ -363,7 +363,7 @@ def materialise(
     arrays into the program, and a repeated call does not recompile.
 
     Also accepts a `diffrax.AbstractTerm` as first argument: see
-    [`diffrax_linearize.materialise_term`][].
+    the Diffrax terms API (`materialise(term, t, y, args)`).
 
     **Arguments:**
 

@@ -87,7 +87,7 @@ def register_use_rule(prim: Primitive):
     """Register a use rule for `prim` (a decorator).
 
     The rule is called as `rule(eqn, index)` for an equation `eqn` whose operand
-    `index` is derived from exactly one parameter; it returns a [`UseKind`][] if the
+    `index` is derived from exactly one parameter; it returns a `UseKind` if the
     output is linear in that operand (the other operands held fixed), else `None`.
     A primitive without a rule takes the exact `vmap(grad)` fallback for the parameter.
     """

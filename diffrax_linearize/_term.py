@@ -1,7 +1,7 @@
 """Materialising Diffrax terms.
 
 Diffrax keeps the interaction of a vector field with its control abstract:
-[`diffrax.AbstractTerm.prod`][] is any bilinear map. The functions here give the matrix of
+`diffrax.AbstractTerm.prod` is any bilinear map. The functions here give the matrix of
 `control -> term.prod(term.vf(t, y, args), control)`, its derivative with respect to the
 state, and the structure queries that the Milstein solvers use, all through the structure
 engine rather than `jax.jacfwd`.

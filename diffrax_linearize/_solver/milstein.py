@@ -226,15 +226,15 @@ class ItoMilstein(AbstractItoSolver):
         all $j_1, j_2$. This holds for scalar, diagonal and additive noise, and for
         $g(y) = [A_1 y, \ldots, A_m y]$ with commuting $A_j$. On non-commutative noise
         the step drops the Lévy areas and converges with strong order 0.5 only
-        (exactly as [`diffrax.ItoMilstein`][] does). The assumption is not checked
+        (exactly as `diffrax.ItoMilstein` does). The assumption is not checked
         unless `check_commutativity=True`.
 
     This should be called with `terms=MultiTerm(drift_term, diffusion_term)`, where the
-    drift is an [`diffrax.ODETerm`][]. It is a drop-in replacement for
-    [`diffrax.ItoMilstein`][]: same term structure, interpolation and orders, and the
+    drift is an `diffrax.ODETerm`. It is a drop-in replacement for
+    `diffrax.ItoMilstein`: same term structure, interpolation and orders, and the
     same result on the same Brownian path up to floating-point rounding. Unlike Diffrax
     0.7.2's, it accepts PyTree-valued Brownian motions. For adaptive step sizes, wrap
-    it in [`diffrax.HalfSolver`][].
+    it in `diffrax.HalfSolver`.
     """
 
     check_commutativity: bool = eqx.field(default=False, static=True)
@@ -293,14 +293,14 @@ class StratonovichMilstein(AbstractStratonovichSolver):
         all $j_1, j_2$. This holds for scalar, diagonal and additive noise, and for
         $g(y) = [A_1 y, \ldots, A_m y]$ with commuting $A_j$. On non-commutative noise
         the step drops the Lévy areas and converges with strong order 0.5 only
-        (exactly as [`diffrax.StratonovichMilstein`][] does). The assumption is not
+        (exactly as `diffrax.StratonovichMilstein` does). The assumption is not
         checked unless `check_commutativity=True`.
 
     This should be called with `terms=MultiTerm(drift_term, diffusion_term)`, where the
-    drift is an [`diffrax.ODETerm`][]. It is a drop-in replacement for
-    [`diffrax.StratonovichMilstein`][]: same term structure, interpolation and orders,
+    drift is an `diffrax.ODETerm`. It is a drop-in replacement for
+    `diffrax.StratonovichMilstein`: same term structure, interpolation and orders,
     and the same result on the same Brownian path up to floating-point rounding. For
-    adaptive step sizes, wrap it in [`diffrax.HalfSolver`][].
+    adaptive step sizes, wrap it in `diffrax.HalfSolver`.
     """
 
     check_commutativity: bool = eqx.field(default=False, static=True)

@@ -154,12 +154,12 @@ _DOC_COMMON = r"""
     - `"jvp"`: one JVP of $y \mapsto g(y) I_{j_1, :}$ in the direction $g_{:, j_1}$ per
       channel $j_1$, vectorised: $m$ times the cost of the diffusion (for a dense linear
       diffusion $d^2 m^2$ flops), but works for any PyTree state and any
-      [`diffrax.AbstractTerm.prod`][], with nothing materialised.
+      `diffrax.AbstractTerm.prod`, with nothing materialised.
     - `"auto"` (default): `"contract"` when the state is one array of shape `(d,)` and
       $d^2 m \le 2^{24}$, since then it is never more expensive; otherwise `"jvp"`.
 
     This should be called with `terms=MultiTerm(drift_term, diffusion_term)`, where the
-    drift is an [`diffrax.ODETerm`][] and the diffusion's control is a
+    drift is an `diffrax.ODETerm` and the diffusion's control is a
     [`diffrax_linearize.LevyAreaBrownianPath`][] (or a
     [`diffrax_linearize.GridLevyAreaPath`][]) of shape `(m,)`: the solver asks it for
     `evaluate(t0, t1, use_levy=True)`. The strong order is one for any noise, provided the

@@ -1,9 +1,10 @@
 """Extension hooks for advanced users: register a structure rule for a primitive of your own.
 
 A rule is `rule(ctx, eqn, invals) -> outvals`: `invals` holds, per input of the equation,
-either a [`Lin`][] (the structured Jacobian of a value that depends on the differentiated
-inputs: one [`Struct`][] block per input leaf) or a constant array; it returns one value per
-output. Return `NotImplemented` to hand an equation to the exact dense fallback.
+either a [`Lin`][diffrax_linearize.internal.Lin] (the structured Jacobian of a value that
+depends on the differentiated inputs: one [`Struct`][diffrax_linearize.internal.Struct]
+block per input leaf) or a constant array; it returns one value per output. Return
+`NotImplemented` to hand an equation to the exact dense fallback.
 """
 
 from .._interpreter import (
