@@ -101,18 +101,33 @@ def _new_var(aval) -> Var:
         return Var("", aval)
 
 
+def dce_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
+    """`jaxpr` with the equations that no output depends on removed (all inputs kept)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    out, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    return out
+
+
 def eqn_as_jaxpr(eqn: JaxprEqn) -> Jaxpr:
     """A jaxpr holding the single equation `eqn` (literal inputs made into variables)."""
     # Fresh variables throughout: a variable may appear twice among the inputs.
     invars = [_new_var(v.aval) for v in eqn.invars]
     outvars = [_new_var(v.aval) for v in eqn.outvars]
     new_eqn = eqn.replace(invars=invars, outvars=outvars)
+    debug_info = jex_core.DebugInfo(
+        "diffrax_linearize",
+        str(eqn.primitive),
+        tuple(f"in{i}" for i in range(len(invars))),
+        tuple(f"out{i}" for i in range(len(outvars))),
+    )
     return Jaxpr(
         constvars=(),
         invars=invars,
         outvars=outvars,
         eqns=[new_eqn],
         effects=eqn.effects,
+        debug_info=debug_info,
     )
 
 

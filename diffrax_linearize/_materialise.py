@@ -11,7 +11,7 @@ import lineax as lx
 import numpy as np
 
 from . import _rules as _rules  # noqa: F401  (registers the structure rules)
-from ._compat import bind_eqn, prim
+from ._compat import bind_eqn, dce_jaxpr, prim
 from ._interpreter import Context, eval_jaxpr, interpret, Lin
 from ._structure import Struct
 
@@ -243,8 +243,22 @@ def _reverse(f_jvp, diff, out_avals):
     return blocks, ctx.densified
 
 
+def _without_dead_code(fn, *args):
+    """`fn(*args)`, traced and evaluated with dead code removed: `jax.linearize` computes
+    the primal outputs (for `A @ x`, a matrix-vector product) that a Jacobian never uses,
+    and they should not appear in the program."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    jaxpr = dce_jaxpr(closed.jaxpr)
+    outs = eval_jaxpr(jaxpr, closed.consts, jtu.tree_leaves(args), bind_eqn)
+    return jtu.tree_unflatten(jtu.tree_structure(out_shape), outs)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _run_dense(spec: _Spec, consts, diff, rest):
+    return _without_dead_code(functools.partial(_dense_jacobian, spec), consts, diff, rest)
+
+
+def _dense_jacobian(spec: _Spec, consts, diff, rest):
     blocks, densified = _structured_jacobian(spec, consts, diff, rest)
     _check_strict(spec, densified)
     out = []
@@ -463,6 +477,11 @@ def materialise_operator(
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _run_operator(spec: _Spec, consts, diff, rest, diff_tree, out_tree):
+    fn = functools.partial(_operator, spec, diff_tree=diff_tree, out_tree=out_tree)
+    return _without_dead_code(fn, consts, diff, rest)
+
+
+def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     # Built inside `jit`, where the structure (a NumPy one for an identity, say) is known.
     blocks, densified = _structured_jacobian(spec, consts, diff, rest)
     _check_strict(spec, densified)
