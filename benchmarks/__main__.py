@@ -6,6 +6,8 @@ and writes a PNG plot. `all` runs every benchmark (`make bench`).
 
 import argparse
 import importlib
+import os
+import pathlib
 import sys
 import time
 
@@ -33,6 +35,9 @@ def main(argv=None) -> int:
     parser.add_argument("name", choices=["demo", "all", *BENCHMARKS])
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ns = parser.parse_args(argv)
+    if ns.quick or ns.name == "demo":
+        quick_dir = pathlib.Path(__file__).parent / "results" / "quick"
+        os.environ.setdefault("DIFFRAX_LINEARIZE_RESULTS", str(quick_dir))
     if ns.name == "demo":
         from benchmarks._common import plot_path
 

@@ -18,7 +18,11 @@ from typing import Any
 import jax
 
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+# Recorded results live in `benchmarks/results/`; quick and demo runs write to
+# `benchmarks/results/quick/` (not committed) so they never overwrite recorded ones.
+RESULTS = pathlib.Path(
+    os.environ.get("DIFFRAX_LINEARIZE_RESULTS", pathlib.Path(__file__).parent / "results")
+)
 
 
 def block(x):
@@ -149,3 +153,65 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> 
 def plot_path(name: str) -> pathlib.Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     return RESULTS / f"{result_stem(name)}.png"
+
+
+def time_interleaved(
+    fns: dict[str, tuple[Callable, tuple]],
+    rounds: int = 21,
+    batch_time: float = 0.01,
+    slow_s: float = 0.05,
+    max_time: float = 30.0,
+) -> dict[str, dict[str, float]]:
+    """Compile and time several functions against each other, interleaved.
+
+    Timing each function in its own block lets slow drifts of a shared or virtual machine
+    (frequency, neighbours) land on one function more than another; interleaving rounds
+    (every function once per round, each round a batch of calls lasting about
+    `batch_time`) puts the drift on all of them alike. Functions slower than `slow_s` per
+    call are timed on their own with [`time_compiled`][]'s loop instead.
+
+    **Arguments:** `fns` maps a name to `(fn, args)`; `fn` is jitted here.
+
+    **Returns:** per name, `{"compile_s", "run_s" (median per call over rounds),
+    "run_min_s", "repeats"}`.
+    """
+    compiled, first, out = {}, {}, {}
+    for name, (fn, args) in fns.items():
+        t0 = time.perf_counter()
+        compiled[name] = jax.jit(fn).lower(*args).compile()
+        compile_s = time.perf_counter() - t0
+        block(compiled[name](*args))  # warm-up
+        t0 = time.perf_counter()
+        block(compiled[name](*args))
+        first[name] = time.perf_counter() - t0
+        out[name] = {"compile_s": compile_s}
+    fast = [name for name in fns if first[name] < slow_s]
+    for name in fns:
+        if name not in fast:
+            args = fns[name][1]
+            times = [first[name]]
+            start = time.perf_counter()
+            while len(times) < 5 and time.perf_counter() - start < max_time:
+                t0 = time.perf_counter()
+                block(compiled[name](*args))
+                times.append(time.perf_counter() - t0)
+            out[name].update(
+                run_s=statistics.median(times), run_min_s=min(times), repeats=len(times)
+            )
+    calls = {name: max(1, int(batch_time / max(first[name], 1e-7))) for name in fast}
+    per_call: dict[str, list[float]] = {name: [] for name in fast}
+    for _ in range(rounds):
+        for name in fast:
+            args = fns[name][1]
+            t0 = time.perf_counter()
+            for _ in range(calls[name]):
+                result = compiled[name](*args)
+            block(result)
+            per_call[name].append((time.perf_counter() - t0) / calls[name])
+    for name in fast:
+        out[name].update(
+            run_s=statistics.median(per_call[name]),
+            run_min_s=min(per_call[name]),
+            repeats=rounds * calls[name],
+        )
+    return out

@@ -179,8 +179,9 @@ def _cost_at(errors, costs, target=TARGET):
     return float(np.exp(intercept + slope * lt)), True
 
 
-def run(quick: bool = False) -> list[dict]:
-    ms = [2, 10] if quick else [2, 10, 50]
+def run(quick: bool = False, ms: list[int] | None = None) -> list[dict]:
+    if ms is None:
+        ms = [2, 10] if quick else [2, 10, 50]
     steps = [2.0**-k for k in range(2, 8 if quick else 9)]
     n_paths = 64 if quick else 128
     rows = []
@@ -278,4 +279,6 @@ def _plot(rows, ms):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="m in {2, 10}, fewer steps")
-    run(quick=parser.parse_args().quick)
+    parser.add_argument("--ms", type=int, nargs="+", help="the noise dimensions m to run")
+    ns = parser.parse_args()
+    run(quick=ns.quick, ms=ns.ms)
