@@ -54,6 +54,16 @@ def _blockwise(fn):
     return rule
 
 
+def _forget_size_one(val, val_labels: list, label, in_labels):
+    """Drop a size-one out axis's `label` from `val` (in place on `val_labels`), unless the
+    in side still carries it. Returns the new `val`."""
+    if label in val_labels and label not in in_labels:
+        a = val_labels.index(label)
+        val = val.reshape(val.shape[:a] + val.shape[a + 1 :])
+        del val_labels[a]
+    return val
+
+
 def _broadcast_block(block: Struct, shape, broadcast_dimensions) -> Struct:
     """`lax.broadcast_in_dim` on the out side of a block."""
     out_labels = [None] * len(shape)
@@ -64,10 +74,7 @@ def _broadcast_block(block: Struct, shape, broadcast_dimensions) -> Struct:
             out_labels[k] = label
         else:  # a size-one axis expanded: the block is constant along the new axis
             out_labels[k] = fresh_label()
-            if label in val_labels and label not in block.in_labels:
-                a = val_labels.index(label)
-                val = val.reshape(val.shape[:a] + val.shape[a + 1 :])
-                del val_labels[a]
+            val = _forget_size_one(val, val_labels, label, block.in_labels)
     for k in range(len(shape)):
         if out_labels[k] is None:
             out_labels[k] = fresh_label()
@@ -269,11 +276,7 @@ def _drop_out_axes(b: Struct, axes) -> Struct:
     """Remove size-one out axes."""
     val, val_labels = b.val, list(b.val_labels)
     for k in axes:
-        label = b.out_labels[k]
-        if label in val_labels and label not in b.in_labels:
-            a = val_labels.index(label)
-            val = val.reshape(val.shape[:a] + val.shape[a + 1 :])
-            del val_labels[a]
+        val = _forget_size_one(val, val_labels, b.out_labels[k], b.in_labels)
     keep = [k for k in range(len(b.out_shape)) if k not in axes]
     return Struct.build(
         val,
@@ -355,11 +358,7 @@ def _reshape_rule(ctx, eqn, vals):
                 new_labels[k] = label
         # Size-one axes: dropped from the old side, fresh on the new side.
         for k in ones_old:
-            label = b.out_labels[k]
-            if label in val_labels and label not in b.in_labels:
-                a = val_labels.index(label)
-                val = val.reshape(val.shape[:a] + val.shape[a + 1 :])
-                del val_labels[a]
+            val = _forget_size_one(val, val_labels, b.out_labels[k], b.in_labels)
         for k, d in enumerate(new_shape):
             if new_labels[k] is None:
                 new_labels[k] = fresh_label()
