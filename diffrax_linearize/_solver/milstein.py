@@ -194,6 +194,26 @@ def _milstein_step(
     return y1
 
 
+class MilsteinCommon:
+    """What every Milstein solver here shares: no solver state, strong order one, no
+    order as an ODE solver, and `func` evaluating the drift and the diffusion."""
+
+    def order(self, terms):
+        raise ValueError(
+            f"`diffrax_linearize.{type(self).__name__}` should not be used to solve ODEs."
+        )
+
+    def strong_order(self, terms):
+        return 1
+
+    def init(self, terms: _Terms, t0: _RealScalarLike, t1: _RealScalarLike, y0: _Y, args):
+        return None
+
+    def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
+        drift, diffusion = terms.terms
+        return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
+
+
 _INIT_DOC = """**Arguments:**
 
 - `check_commutativity`: if `True`, at every step compute
@@ -204,7 +224,7 @@ _INIT_DOC = """**Arguments:**
 """
 
 
-class ItoMilstein(AbstractItoSolver):
+class ItoMilstein(MilsteinCommon, AbstractItoSolver):
     r"""Milstein's method; Itô version. Converges to the Itô solution, with strong
     order 1 on commutative noise. Uses local linear interpolation for dense/ts output.
 
@@ -242,17 +262,6 @@ class ItoMilstein(AbstractItoSolver):
     term_structure: ClassVar = _Terms
     interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
-    def order(self, terms):
-        raise ValueError("`diffrax_linearize.ItoMilstein` should not be used to solve ODEs.")
-
-    def strong_order(self, terms):
-        return 1  # assuming commutative noise
-
-    def init(
-        self, terms: _Terms, t0: _RealScalarLike, t1: _RealScalarLike, y0: _Y, args
-    ) -> _SolverState:
-        return None
-
     def step(
         self,
         terms: _Terms,
@@ -267,12 +276,8 @@ class ItoMilstein(AbstractItoSolver):
         y1 = _milstein_step("ItoMilstein", True, self.check_commutativity, terms, t0, t1, y0, args)
         return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
 
-    def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
-        drift, diffusion = terms.terms
-        return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
 
-
-class StratonovichMilstein(AbstractStratonovichSolver):
+class StratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
     r"""Milstein's method; Stratonovich version. Converges to the Stratonovich
     solution, with strong order 1 on commutative noise. Uses local linear
     interpolation for dense/ts output.
@@ -308,19 +313,6 @@ class StratonovichMilstein(AbstractStratonovichSolver):
     term_structure: ClassVar = _Terms
     interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
-    def order(self, terms):
-        raise ValueError(
-            "`diffrax_linearize.StratonovichMilstein` should not be used to solve ODEs."
-        )
-
-    def strong_order(self, terms):
-        return 1  # assuming commutative noise
-
-    def init(
-        self, terms: _Terms, t0: _RealScalarLike, t1: _RealScalarLike, y0: _Y, args
-    ) -> _SolverState:
-        return None
-
     def step(
         self,
         terms: _Terms,
@@ -343,10 +335,6 @@ class StratonovichMilstein(AbstractStratonovichSolver):
             args,
         )
         return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
-
-    def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
-        drift, diffusion = terms.terms
-        return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
 
 
 ItoMilstein.__init__.__doc__ = _INIT_DOC

@@ -32,6 +32,7 @@ from jaxtyping import ArrayLike, Bool, PyTree, Real
 from .._levy_area import IteratedIntegrals
 from .._materialise import materialise
 from .._term import vf_derivative
+from .milstein import MilsteinCommon
 
 
 _RealScalarLike: TypeAlias = Real[ArrayLike, ""]
@@ -169,7 +170,7 @@ _DOC_COMMON = r"""
 """
 
 
-class GeneralItoMilstein(AbstractItoSolver):
+class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
     __doc__ = (
         r"""Milstein's method for general (non-commutative) noise; Itô version.
     Converges to the Itô solution with strong order one whatever the noise, by using the
@@ -188,15 +189,6 @@ class GeneralItoMilstein(AbstractItoSolver):
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
     interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
-    def order(self, terms):
-        raise ValueError("`diffrax_linearize.GeneralItoMilstein` should not be used to solve ODEs.")
-
-    def strong_order(self, terms):
-        return 1
-
-    def init(self, terms: _Terms, t0, t1, y0: _Y, args) -> None:
-        return None
-
     def step(
         self,
         terms: _Terms,
@@ -213,12 +205,8 @@ class GeneralItoMilstein(AbstractItoSolver):
         )
         return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
 
-    def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
-        drift, diffusion = terms.terms
-        return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
 
-
-class GeneralStratonovichMilstein(AbstractStratonovichSolver):
+class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
     __doc__ = (
         r"""Milstein's method for general (non-commutative) noise; Stratonovich
     version. Converges to the Stratonovich solution with strong order one whatever the
@@ -238,17 +226,6 @@ class GeneralStratonovichMilstein(AbstractStratonovichSolver):
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
     interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
-    def order(self, terms):
-        raise ValueError(
-            "`diffrax_linearize.GeneralStratonovichMilstein` should not be used to solve ODEs."
-        )
-
-    def strong_order(self, terms):
-        return 1
-
-    def init(self, terms: _Terms, t0, t1, y0: _Y, args) -> None:
-        return None
-
     def step(
         self,
         terms: _Terms,
@@ -264,7 +241,3 @@ class GeneralStratonovichMilstein(AbstractStratonovichSolver):
             "GeneralStratonovichMilstein", False, self.method, terms, t0, t1, y0, args
         )
         return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
-
-    def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
-        drift, diffusion = terms.terms
-        return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
