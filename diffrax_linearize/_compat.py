@@ -6,7 +6,6 @@ they exist.
 """
 
 import diffrax._adjoint as _diffrax_adjoint
-import jax
 import jax.extend.core as jex_core
 from diffrax._heuristics import is_sde as is_sde, is_unsafe_sde as is_unsafe_sde
 from diffrax._saveat import save_y as save_y
@@ -26,7 +25,6 @@ JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
 Var = jex_core.Var
 Primitive = jex_core.Primitive
-DropVar = jex_core.DropVar
 
 
 # Names that differ between JAX versions: ours -> the alternatives, newest first.
@@ -137,7 +135,3 @@ def literal_value(x):
 
 def is_literal(x) -> bool:
     return isinstance(x, Literal)
-
-
-def float0():
-    return jax.dtypes.float0

@@ -492,23 +492,23 @@ def _split_rule(ctx, eqn, vals):
 
 @register_rule(prim("tile"))
 def _tile_rule(ctx, eqn, vals):
-    """`tile` is a broadcast to `(r, n)` along each tiled axis followed by a merge."""
+    """`tile` repeats each tiled out axis: that axis is made dense and its values are
+    concatenated `reps` times."""
     (x,) = vals
     reps = eqn.params["reps"]
     aval = _out_aval(eqn)
+    axes = [k for k, r in enumerate(reps) if r != 1]
+
+    def fn(v, va):
+        for k, a in zip(axes, va):
+            v = jnp.concatenate([v] * reps[k], axis=a)
+        return v
+
     blocks = {}
     for p, b in x.blocks.items():
-        axes = [k for k, r in enumerate(reps) if r != 1]
-        val, bb = _densify_and(b, axes, lambda v, va: v)
-        for k, a in zip(axes, _val_axes(bb, axes)):
-            val = jnp.concatenate([val] * reps[k], axis=a)
+        val, bb = _densify_and(b, axes, fn)
         blocks[p] = _cast(_rebuild_out(bb, val, aval.shape), aval.dtype)
     return [Lin(blocks, aval.shape, aval.dtype)]
-
-
-def _val_axes(block: Struct, axes):
-    """Positions in `val` of the given (dense) out axes of a canonical block."""
-    return [block.val_labels.index(block.out_labels[k]) for k in axes]
 
 
 @register_rule(prim("reduce_sum"))

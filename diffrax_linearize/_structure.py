@@ -365,25 +365,6 @@ class Struct:
                 out = out._broadcast_label(out.out_labels[k])
         return out
 
-    def densify_in(self, axes: Sequence[int] | None = None) -> "Struct":
-        """Make the given in axes (default all) plain: untied and present in `val`."""
-        out = self
-        if axes is None:
-            axes = range(len(self.in_shape))
-        for l in axes:
-            label = out.in_labels[l]
-            if label in out.out_labels:
-                out = out.untie_out(out.out_labels.index(label))
-                label = out.in_labels[l]
-            if label not in out.val_labels:
-                out = out._broadcast_label(label)
-        return out
-
-    def dense_val(self):
-        """`val` after densifying everything: shape `out_shape + in_shape`, labels in order."""
-        d = self.densify_out().densify_in()
-        return place(d.val, d.val_labels, d.out_labels + d.in_labels)
-
     def diagonal(self):
         """The diagonal `J[o, o]` of a block whose out and in shapes are equal, as an array
         of that shape. Free for a block that is a delta along every axis (identity, scaled
