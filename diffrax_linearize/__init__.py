@@ -45,4 +45,7 @@ from ._term import (
 )
 
 
-__version__ = importlib.metadata.version("diffrax_linearize")
+try:
+    __version__ = importlib.metadata.version("diffrax_linearize")
+except importlib.metadata.PackageNotFoundError:  # a source checkout on `sys.path`, not installed
+    __version__ = "0+unknown"
