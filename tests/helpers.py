@@ -42,6 +42,25 @@ def assert_tree_allclose(actual, expected, *, rtol=1e-5, atol=1e-8, check_dtype=
         np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"leaf {k}")
 
 
+def assert_equal_to_rounding(actual, expected, *, ulps=16):
+    """`actual == expected` up to `ulps` units in the last place of `expected`'s largest
+    entry.
+
+    For results that are the same arithmetic compiled at another batch size (a chunk of
+    paths, one device's shard) and compared with one `vmap` over everything. XLA may
+    vectorise those programs differently (vector body against remainder loop, fused
+    multiply-adds), which can change the last bits: jax 0.10 and 0.11 give equal bits in
+    these tests, jax 0.12 differs by up to 4 ulp in a few entries. A wrong key, path order
+    or padding differs by far more than this bound.
+    """
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}"
+    scale = float(np.max(np.abs(expected), initial=0.0))
+    atol = ulps * np.finfo(expected.dtype).eps * scale
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=atol)
+
+
 # ---- counting matrix-matrix products ----------------------------------------------------
 
 
