@@ -394,6 +394,37 @@ def _fast_norms(use: _Use, others, g):
     return jax.vmap(one)(others, g)
 
 
+def _masked_batch_sums(x: Array, mask: Array, powers: tuple[int, ...]) -> tuple[Array, ...]:
+    """`sum_b where(mask[b], x[b] ** k, 0)` over the leading axis, for each `k` in
+    `powers` (1: the gradient, 2: the squared gradients), from one read of `x`.
+
+    XLA's CPU backend reduces over a leading axis with a strided loop, several times
+    slower than reading `x` (for the per-example gradients of a transformer block, most
+    of the run time). There the sums run example by example, each step a contiguous,
+    fused add; elsewhere (GPUs reduce over any axis well) each is one reduction.
+    """
+    return jax.lax.platform_dependent(
+        x,
+        mask,
+        cpu=lambda x, mask: _sums_by_example(x, mask, powers),
+        default=lambda x, mask: _sums_at_once(x, mask, powers),
+    )
+
+
+def _sums_by_example(x: Array, mask: Array, powers: tuple[int, ...]) -> tuple[Array, ...]:
+    def body(b, sums):
+        xb = jnp.where(mask[b], x[b], 0)
+        return tuple(s + xb**k for s, k in zip(sums, powers))
+
+    init = tuple(jnp.zeros(x.shape[1:], x.dtype) for _ in powers)
+    return jax.lax.fori_loop(0, x.shape[0], body, init)
+
+
+def _sums_at_once(x: Array, mask: Array, powers: tuple[int, ...]) -> tuple[Array, ...]:
+    x = jnp.where(mask.reshape(-1, *(1,) * (x.ndim - 1)), x, 0)
+    return tuple(jnp.sum(x**k, axis=0) for k in powers)
+
+
 def _chunked(fn, xs, n: int, chunk: int):
     """Apply `fn(xs_chunk, mask) -> (sums, per_example)` over chunks of the leading axis
     of `xs`, adding up `sums` and concatenating `per_example` (trimmed to `n`)."""
@@ -531,24 +562,34 @@ def _compute(
         for u in uses
     }
 
+    def fast_squares(leaf: int) -> bool:
+        leaf_uses = by_leaf.get(leaf, [])
+        return len(leaf_uses) == 1 and leaf_uses[0].injective and leaf_uses[0].kind.fast
+
+    # The gradient of a leaf whose per-example gradients are formed below is their sum:
+    # the backward pass differentiates only the others (no second weight contraction).
+    in_pass = [
+        i
+        for i in range(n_diff)
+        if want_grad and not (want_sq and (i in fallback or (i in by_leaf and not fast_squares(i))))
+    ]
+
     def one_example(diff, pert, example):
         ctx = _EvalContext(use_map, prefixes, pert, {})
         (loss,) = _evaluate(closed.jaxpr, closed.consts, [*diff, *example], (), ctx)
         return loss, ctx.records
 
-    def total(diff, pert):
+    def total(pass_leaves, pert):
+        diff = list(diff_leaves)
+        for i, x in zip(in_pass, pass_leaves):
+            diff[i] = x
         losses, records = jax.vmap(one_example, in_axes=(None, 0, 0))(diff, pert, batch_leaves)
         return jnp.sum(losses), records
 
-    if want_grad:
-        (loss, records), (grads, cotangents) = jax.value_and_grad(
-            total, argnums=(0, 1), has_aux=True
-        )(diff_leaves, perts)
-    else:
-        (loss, records), cotangents = jax.value_and_grad(total, argnums=1, has_aux=True)(
-            diff_leaves, perts
-        )
-        grads = None
+    (loss, records), (pass_grads, cotangents) = jax.value_and_grad(
+        total, argnums=(0, 1), has_aux=True
+    )([diff_leaves[i] for i in in_pass], perts)
+    grads: dict[int, Array] = dict(zip(in_pass, pass_grads))
 
     sq: dict[int, Array] = {}
     norms = jnp.zeros((n,), jnp.result_type(*diff_leaves) if diff_leaves else float)
@@ -559,7 +600,7 @@ def _compute(
         u = leaf_uses[0]
         others, g = records[u.key], cotangents[u.key]
         need_sq, need_norms = want_sq, want_norms
-        if single and u.kind.fast and want_sq:
+        if want_sq and fast_squares(leaf):
             sq[leaf] = _fast_sum_squares(u, structs[leaf], others, g)
             need_sq = False
         if single and want_norms:
@@ -608,38 +649,41 @@ def _compute(
                 fb = [diff_leaves[i] for i in fallback_leaves]
                 fb_grads = jax.vmap(jax.grad(loss_fb), in_axes=(None, 0))(fb, example)
                 out.update(zip(fallback_leaves, fb_grads))
-            sums, pe_norms = {}, 0
+            grad_sums, sq_sums, pe_norms = {}, {}, jnp.zeros(mask.shape, norms.dtype)
+            powers = (1,) * want_grad + (2,) * want_sq
             for leaf, grad_b in out.items():
-                m = mask.reshape(-1, *(1,) * (grad_b.ndim - 1))
-                grad_b = jnp.where(m, grad_b, 0)
-                squares = grad_b * grad_b
-                if want_sq:
-                    sums[leaf] = jnp.sum(squares, axis=0)
-                if want_norms:
-                    pe_norms = pe_norms + jnp.sum(squares.reshape(squares.shape[0], -1), axis=1)
-            if not want_norms:
-                pe_norms = jnp.zeros(mask.shape, norms.dtype)
-            return sums, pe_norms
+                if powers:
+                    sums = _masked_batch_sums(grad_b, mask, powers)
+                    if want_grad:
+                        grad_sums[leaf] = sums[0]
+                    if want_sq:
+                        sq_sums[leaf] = sums[-1]
+                if want_norms:  # padding rows are dropped by `_chunked`
+                    flat = grad_b.reshape(grad_b.shape[0], -1)
+                    pe_norms = pe_norms + jnp.sum(flat * flat, axis=1)
+            return (grad_sums, sq_sums), pe_norms
 
         recs = {u.key: records[u.key] for leaf in per_example_leaves for u in by_leaf[leaf]}
         cots = {k: cotangents[k] for k in recs}
         example = batch_leaves if fallback_leaves else []
-        sums, pe_norms = _chunked(per_example_grads, (recs, cots, example), n, chunk)
-        sq.update(sums)
+        (grad_sums, sq_sums), pe_norms = _chunked(
+            per_example_grads, (recs, cots, example), n, chunk
+        )
+        grads.update(grad_sums)
+        sq.update(sq_sums)
         norms = norms + pe_norms
+    assert not want_grad or len(grads) == n_diff
 
-    def assemble(values: dict[int, Array] | list[Array]):
+    def assemble(values: dict[int, Array]):
+        # A leaf the loss never uses has zero squared gradients.
         leaves: list[Any] = [None] * len(param_leaves)
         for j, i in enumerate(diff_index):
-            if isinstance(values, dict):
-                leaves[i] = values.get(j, jnp.zeros_like(diff_leaves[j]))
-            else:
-                leaves[i] = values[j]
+            leaves[i] = values.get(j, jnp.zeros_like(diff_leaves[j]))
         return jtu.tree_unflatten(param_def, leaves)
 
     return (
         loss,
-        None if grads is None else assemble(grads),
+        assemble(grads) if want_grad else None,
         assemble(sq) if want_sq else None,
         norms if want_norms else None,
     )

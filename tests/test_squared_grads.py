@@ -390,6 +390,22 @@ def test_use_classification():
     assert use.eqn.primitive.name == "dot_general" and use.kind.fast
 
 
+@pytest.mark.parametrize(
+    "sums", [_squared_grads._sums_by_example, _squared_grads._sums_at_once], ids=["cpu", "gpu"]
+)
+def test_masked_batch_sums(sums):
+    # Both platform branches of `_masked_batch_sums` (CPU tests reach only one through
+    # the public functions): masked sums of the entries and of their squares.
+    x = jax.random.normal(jax.random.key(0), (7, 3, 5))
+    mask = jnp.array([True, True, False, True, True, True, False])
+    total, squares = sums(x, mask, (1, 2))
+    kept = np.asarray(x)[np.asarray(mask)]
+    np.testing.assert_allclose(total, kept.sum(0), rtol=1e-13)
+    np.testing.assert_allclose(squares, (kept**2).sum(0), rtol=1e-13)
+    (only_squares,) = sums(x, mask, (2,))
+    np.testing.assert_allclose(only_squares, squares, rtol=1e-13)
+
+
 def test_register_use_rule_is_a_plain_dict():
     assert _squared_grads._USE_RULES[jax.lax.dot_general_p] is _squared_grads._dot_general_rule
     assert jax.lax.sort_p not in _squared_grads._USE_RULES
