@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench docs lint clean
+.PHONY: demo test test-latest bench docs lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,20 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q
 
+# The suite against the newest releases, without constraints (jax 0.12 needs Python 3.12+):
+#   make test-latest PYTHON_LATEST=/path/to/python3.12
+PYTHON_LATEST ?= python3.12
+test-latest:
+	$(PYTHON_LATEST) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install -q --upgrade pip
+	.venv-latest/bin/python -m pip install -q --upgrade -e '.[test]'
+	.venv-latest/bin/python -c "import jax; print('jax', jax.__version__)"
+	.venv-latest/bin/python -m pytest -q
+
 docs: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
 	$(PY) -m benchmarks.report
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest site .pytest_cache .ruff_cache
