@@ -247,7 +247,8 @@ def solve_ensemble(
 
     Works with every solver, diffrax's or this package's, since each path is an
     ordinary `diffrax.diffeqsolve`. Results equal `jax.vmap` of `diffeqsolve` over
-    the same keys, path for path.
+    the same keys, path for path, up to rounding (XLA may compile one device's batch
+    size differently from the whole batch's).
 
     **Arguments:**
 
