@@ -412,12 +412,22 @@ def _masked_batch_sums(x: Array, mask: Array, powers: tuple[int, ...]) -> tuple[
 
 
 def _sums_by_example(x: Array, mask: Array, powers: tuple[int, ...]) -> tuple[Array, ...]:
-    def body(b, sums):
+    # Blocks of about sqrt(n) examples, summed one by one and then added up: rounding
+    # grows like 2 sqrt(n) rather than n (float32, n = 16384: 1e-6 relative, not 6e-6).
+    n = x.shape[0]
+    block = math.isqrt(n - 1) + 1
+    zeros = tuple(jnp.zeros(x.shape[1:], x.dtype) for _ in powers)
+
+    def add_example(b, sums):
         xb = jnp.where(mask[b], x[b], 0)
         return tuple(s + xb**k for s, k in zip(sums, powers))
 
-    init = tuple(jnp.zeros(x.shape[1:], x.dtype) for _ in powers)
-    return jax.lax.fori_loop(0, x.shape[0], body, init)
+    def add_block(i, totals):
+        start = i * block
+        part = jax.lax.fori_loop(start, jnp.minimum(start + block, n), add_example, zeros)
+        return tuple(t + s for t, s in zip(totals, part))
+
+    return jax.lax.fori_loop(0, -(-n // block), add_block, zeros)
 
 
 def _sums_at_once(x: Array, mask: Array, powers: tuple[int, ...]) -> tuple[Array, ...]:

@@ -390,20 +390,34 @@ def test_use_classification():
     assert use.eqn.primitive.name == "dot_general" and use.kind.fast
 
 
-@pytest.mark.parametrize(
-    "sums", [_squared_grads._sums_by_example, _squared_grads._sums_at_once], ids=["cpu", "gpu"]
-)
-def test_masked_batch_sums(sums):
+_BATCH_SUMS = [_squared_grads._sums_by_example, _squared_grads._sums_at_once]
+
+
+@pytest.mark.parametrize("sums", _BATCH_SUMS, ids=["cpu", "gpu"])
+@pytest.mark.parametrize("n", [1, 7, 9])
+def test_masked_batch_sums(sums, n):
     # Both platform branches of `_masked_batch_sums` (CPU tests reach only one through
-    # the public functions): masked sums of the entries and of their squares.
-    x = jax.random.normal(jax.random.key(0), (7, 3, 5))
-    mask = jnp.array([True, True, False, True, True, True, False])
+    # the public functions): masked sums of the entries and of their squares. n = 7 and
+    # 9 make a short last block and only full blocks of the CPU branch.
+    x = jax.random.normal(jax.random.key(n), (n, 3, 5))
+    mask = jnp.arange(n) % 3 != 2
     total, squares = sums(x, mask, (1, 2))
     kept = np.asarray(x)[np.asarray(mask)]
-    np.testing.assert_allclose(total, kept.sum(0), rtol=1e-13)
-    np.testing.assert_allclose(squares, (kept**2).sum(0), rtol=1e-13)
+    np.testing.assert_allclose(total, kept.sum(0), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(squares, (kept**2).sum(0), rtol=1e-13, atol=1e-15)
     (only_squares,) = sums(x, mask, (2,))
     np.testing.assert_allclose(only_squares, squares, rtol=1e-13)
+
+
+@pytest.mark.parametrize("sums", _BATCH_SUMS, ids=["cpu", "gpu"])
+def test_masked_batch_sums_float32_rounding(sums):
+    # A plain running sum over 4096 float32 examples is off by up to ~3e-6 relative;
+    # blocks of sqrt(n) examples keep it near 5e-7.
+    x = jax.random.normal(jax.random.key(0), (4096, 500), jnp.float32)
+    (squares,) = sums(x, jnp.ones(4096, bool), (2,))
+    exact = (np.asarray(x, np.float64) ** 2).sum(0)
+    assert squares.dtype == jnp.float32
+    np.testing.assert_allclose(squares, exact, rtol=1e-6)
 
 
 def test_register_use_rule_is_a_plain_dict():
