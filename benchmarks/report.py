@@ -1,7 +1,9 @@
 """Write `docs/benchmarks.md` from the JSON results in `benchmarks/results/`.
 
-Every benchmark gets a section; within it, one table per machine (CPU and GPU side by
-side when both were recorded), with the versions and machine each result came from.
+Every benchmark gets a section. When more than one machine recorded it (CPU and GPU), the
+section opens with a side-by-side table: one line per case, its run and compile time on
+each machine. Then one full table per machine, with the versions and machine each result
+came from.
 """
 
 import json
@@ -19,6 +21,17 @@ TITLES = {
     "squared_grads": "Squared per-example gradients",
     "work_precision": "Work-precision on non-commutative noise",
     "ensemble": "Ensembles: throughput against device count",
+}
+
+
+# The columns that name a case (the rest are measurements), for the side-by-side tables.
+CASE_KEYS = {
+    "step_cost": ("diffusion", "d", "m", "solver"),
+    "materialise": ("problem", "N", "method"),
+    "adjoint": ("solver", "adjoint", "d", "steps"),
+    "squared_grads": ("model", "B", "method"),
+    "work_precision": ("m", "method", "steps"),
+    "ensemble": ("devices", "paths", "steps", "d"),
 }
 
 
@@ -48,6 +61,28 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
+def _side_by_side(name: str, results: list) -> list[str]:
+    """Run and compile times of each case on each machine, one line per case."""
+    keys = CASE_KEYS.get(name)
+    if keys is None or len(results) < 2:
+        return []
+    labels = [path.stem.removeprefix(f"{name}-") for path, _ in results]
+    cases: dict[tuple, list] = {}
+    for i, (_, data) in enumerate(results):
+        for row in data.get("rows", []):
+            case = tuple(row.get(k) for k in keys)
+            cases.setdefault(case, [None] * len(results))[i] = row
+    columns = [*keys] + [f"{what} ({label})" for label in labels for what in ("run", "compile")]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for case, rows in cases.items():
+        cells = [_cell(k, v) for k, v in zip(keys, case)]
+        for row in rows:
+            row = row or {}
+            cells += [_cell("run_s", row.get("run_s")), _cell("compile_s", row.get("compile_s"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return ["### Side by side", "", *lines, ""]
+
+
 def _machine_line(m) -> str:
     v = m.get("versions", {})
     versions = ", ".join(f"{k} {v[k]}" for k in sorted(v) if v[k])
@@ -74,6 +109,7 @@ def render() -> str:
     ]
     for name in sorted(by_bench):
         out += [f"## {TITLES.get(name, name)}", ""]
+        out += _side_by_side(name, by_bench[name])
         for path, data in by_bench[name]:
             out += [f"### {path.stem}", "", _machine_line(data.get("machine", {})), ""]
             notes = {k: v for k, v in data.items() if k not in ("benchmark", "machine", "rows")}

@@ -52,3 +52,45 @@ def test_guide_code_runs(page):
     assert blocks, f"no python code in docs/{page}"
     namespace: dict = {}
     exec(compile("\n".join(blocks), f"docs/{page}", "exec"), namespace)
+
+
+#
+# The generated benchmarks page
+#
+
+
+def test_case_keys_name_each_recorded_row_once():
+    # The side-by-side tables join machines on these keys: each must name one row.
+    import json
+
+    from benchmarks import report
+
+    for path in sorted(report.RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        keys = report.CASE_KEYS[data["benchmark"]]
+        cases = [tuple(row[k] for k in keys) for row in data["rows"]]
+        assert len(cases) == len(set(cases)), path.name
+
+
+def test_side_by_side_table(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks import report
+
+    def write(stem, rows):
+        payload = {"benchmark": "materialise", "machine": {"platform": stem}, "rows": rows}
+        (tmp_path / f"materialise-{stem}.json").write_text(json.dumps(payload))
+
+    row = dict(problem="A@x", N=100, method="ours", repeats=3)
+    write("cpu-cpu", [dict(row, run_s=2e-3, compile_s=0.5), dict(row, N=200, run_s=0.25)])
+    write("gpu-nvidia-h200", [dict(row, run_s=4e-5, compile_s=1.5)])
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    page = report.render()
+    assert "### Side by side" in page
+    head = "| problem | N | method | run (cpu-cpu) | compile (cpu-cpu) | run (gpu-nvidia-h200) |"
+    assert head in page
+    assert "| A@x | 100 | ours | 2.00 ms | 500.00 ms | 40 µs | 1.50 s |" in page
+    assert "| A@x | 200 | ours | 250.00 ms | — | — | — |" in page
+    # One machine only: no side-by-side table.
+    (tmp_path / "materialise-gpu-nvidia-h200.json").unlink()
+    assert "Side by side" not in report.render()
