@@ -6,6 +6,7 @@ Every quantity that depends on the structure of the diffusion goes through
 the structure engine plugs into. Everything else is one JVP, whatever the diffusion.
 """
 
+import abc
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeAlias
 
@@ -196,7 +197,10 @@ def _milstein_step(
 
 class MilsteinCommon:
     """What every Milstein solver here shares: no solver state, strong order one, no
-    order as an ODE solver, and `func` evaluating the drift and the diffusion."""
+    order as an ODE solver, local linear interpolation, `func` evaluating the drift and
+    the diffusion, and a `step` around the solver's own `_y1(terms, t0, t1, y0, args)`."""
+
+    interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
     def order(self, terms):
         raise ValueError(
@@ -212,6 +216,24 @@ class MilsteinCommon:
     def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
         drift, diffusion = terms.terms
         return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
+
+    @abc.abstractmethod
+    def _y1(self, terms: _Terms, t0: _RealScalarLike, t1: _RealScalarLike, y0: _Y, args) -> _Y:
+        """The state at `t1` after one step from `y0` at `t0`."""
+
+    def step(
+        self,
+        terms: _Terms,
+        t0: _RealScalarLike,
+        t1: _RealScalarLike,
+        y0: _Y,
+        args,
+        solver_state: _SolverState,
+        made_jump: _BoolScalarLike,
+    ) -> tuple[_Y, _ErrorEstimate, dict[str, _Y], _SolverState, RESULTS]:
+        del solver_state, made_jump
+        y1 = self._y1(terms, t0, t1, y0, args)
+        return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
 
 
 _INIT_DOC = """**Arguments:**
@@ -260,21 +282,11 @@ class ItoMilstein(MilsteinCommon, AbstractItoSolver):
     check_commutativity: bool = eqx.field(default=False, static=True)
 
     term_structure: ClassVar = _Terms
-    interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
-    def step(
-        self,
-        terms: _Terms,
-        t0: _RealScalarLike,
-        t1: _RealScalarLike,
-        y0: _Y,
-        args,
-        solver_state: _SolverState,
-        made_jump: _BoolScalarLike,
-    ) -> tuple[_Y, _ErrorEstimate, dict[str, _Y], _SolverState, RESULTS]:
-        del solver_state, made_jump
-        y1 = _milstein_step("ItoMilstein", True, self.check_commutativity, terms, t0, t1, y0, args)
-        return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
+    def _y1(self, terms, t0, t1, y0, args):
+        return _milstein_step(
+            "ItoMilstein", True, self.check_commutativity, terms, t0, t1, y0, args
+        )
 
 
 class StratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
@@ -311,30 +323,11 @@ class StratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
     check_commutativity: bool = eqx.field(default=False, static=True)
 
     term_structure: ClassVar = _Terms
-    interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
-    def step(
-        self,
-        terms: _Terms,
-        t0: _RealScalarLike,
-        t1: _RealScalarLike,
-        y0: _Y,
-        args,
-        solver_state: _SolverState,
-        made_jump: _BoolScalarLike,
-    ) -> tuple[_Y, _ErrorEstimate, dict[str, _Y], _SolverState, RESULTS]:
-        del solver_state, made_jump
-        y1 = _milstein_step(
-            "StratonovichMilstein",
-            False,
-            self.check_commutativity,
-            terms,
-            t0,
-            t1,
-            y0,
-            args,
+    def _y1(self, terms, t0, t1, y0, args):
+        return _milstein_step(
+            "StratonovichMilstein", False, self.check_commutativity, terms, t0, t1, y0, args
         )
-        return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
 
 
 ItoMilstein.__init__.__doc__ = _INIT_DOC

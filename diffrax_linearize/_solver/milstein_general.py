@@ -11,7 +11,6 @@ part whose cost depends on the structure of the diffusion; it is computed in one
 ways (see `GeneralItoMilstein(method=...)`).
 """
 
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal, TypeAlias
 
 import equinox as eqx
@@ -23,21 +22,15 @@ from diffrax import (
     AbstractItoSolver,
     AbstractStratonovichSolver,
     AbstractTerm,
-    LocalLinearInterpolation,
     MultiTerm,
-    RESULTS,
 )
-from jaxtyping import ArrayLike, Bool, PyTree, Real
 
 from .._levy_area import IteratedIntegrals
 from .._materialise import materialise
 from .._term import vf_derivative
-from .milstein import MilsteinCommon
+from .milstein import _RealScalarLike, _Y, MilsteinCommon
 
 
-_RealScalarLike: TypeAlias = Real[ArrayLike, ""]
-_BoolScalarLike: TypeAlias = Bool[ArrayLike, ""]
-_Y: TypeAlias = PyTree[ArrayLike]
 _Terms: TypeAlias = MultiTerm[
     tuple[AbstractTerm[Any, _RealScalarLike], AbstractTerm[Any, AbstractBrownianIncrement]]
 ]
@@ -187,23 +180,11 @@ class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
 
     term_structure: ClassVar = _Terms
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
-    interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
-    def step(
-        self,
-        terms: _Terms,
-        t0: _RealScalarLike,
-        t1: _RealScalarLike,
-        y0: _Y,
-        args,
-        solver_state: None,
-        made_jump: _BoolScalarLike,
-    ) -> tuple[_Y, None, dict[str, _Y], None, RESULTS]:
-        del solver_state, made_jump
-        y1 = _general_milstein_step(
+    def _y1(self, terms, t0, t1, y0, args):
+        return _general_milstein_step(
             "GeneralItoMilstein", True, self.method, terms, t0, t1, y0, args
         )
-        return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
 
 
 class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
@@ -224,20 +205,8 @@ class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
 
     term_structure: ClassVar = _Terms
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
-    interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
-    def step(
-        self,
-        terms: _Terms,
-        t0: _RealScalarLike,
-        t1: _RealScalarLike,
-        y0: _Y,
-        args,
-        solver_state: None,
-        made_jump: _BoolScalarLike,
-    ) -> tuple[_Y, None, dict[str, _Y], None, RESULTS]:
-        del solver_state, made_jump
-        y1 = _general_milstein_step(
+    def _y1(self, terms, t0, t1, y0, args):
+        return _general_milstein_step(
             "GeneralStratonovichMilstein", False, self.method, terms, t0, t1, y0, args
         )
-        return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
