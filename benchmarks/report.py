@@ -9,7 +9,7 @@ came from.
 import json
 import pathlib
 
-from benchmarks._common import fmt_time, RESULTS
+from benchmarks._common import fmt_time, markdown_table, RESULTS
 
 
 DOCS = pathlib.Path(__file__).parent.parent / "docs" / "benchmarks.md"
@@ -67,20 +67,18 @@ def _side_by_side(name: str, results: list) -> list[str]:
     if keys is None or len(results) < 2:
         return []
     labels = [path.stem.removeprefix(f"{name}-") for path, _ in results]
-    cases: dict[tuple, list] = {}
-    for i, (_, data) in enumerate(results):
+    joined: dict[tuple, dict] = {}
+    for label, (_, data) in zip(labels, results):
         for row in data.get("rows", []):
-            case = tuple(row.get(k) for k in keys)
-            cases.setdefault(case, [None] * len(results))[i] = row
-    columns = [*keys] + [f"{what} ({label})" for label in labels for what in ("run", "compile")]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    for case, rows in cases.items():
-        cells = [_cell(k, v) for k, v in zip(keys, case)]
-        for row in rows:
-            row = row or {}
-            cells += [_cell("run_s", row.get("run_s")), _cell("compile_s", row.get("compile_s"))]
-        lines.append("| " + " | ".join(cells) + " |")
-    return ["### Side by side", "", *lines, ""]
+            case = joined.setdefault(tuple(row.get(k) for k in keys), {k: row.get(k) for k in keys})
+            case[f"{label}:run_s"] = row.get("run_s")
+            case[f"{label}:compile_s"] = row.get("compile_s")
+    columns = [(k, k) for k in keys] + [
+        (f"{label}:{what}_s", f"{what} ({label})")
+        for label in labels
+        for what in ("run", "compile")
+    ]
+    return ["### Side by side", "", markdown_table(list(joined.values()), columns), ""]
 
 
 def _machine_line(m) -> str:
