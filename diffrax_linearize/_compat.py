@@ -6,6 +6,7 @@ they exist.
 """
 
 import diffrax._adjoint as _diffrax_adjoint
+import jax
 import jax.extend.core as jex_core
 from diffrax._heuristics import is_sde as is_sde, is_unsafe_sde as is_unsafe_sde
 from diffrax._saveat import save_y as save_y
@@ -37,7 +38,7 @@ def _internal_prims():
     try:
         from jax._src.lax import lax as _lax_internal
 
-        for name in ("split", "tile"):
+        for name in ("split", "tile", "stack", "unstack"):
             p = getattr(_lax_internal, f"{name}_p", None)
             if p is not None:
                 found[name] = p
@@ -135,3 +136,13 @@ def literal_value(x):
 
 def is_literal(x) -> bool:
     return isinstance(x, Literal)
+
+
+try:
+    _Tracer = jax.core.Tracer
+except AttributeError:  # pragma: no cover - where `jax.core` no longer exports it
+    from jax._src.core import Tracer as _Tracer
+
+
+def is_tracer(x) -> bool:
+    return isinstance(x, _Tracer)

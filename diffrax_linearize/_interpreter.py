@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compat import bind_eqn, eqn_as_jaxpr, is_literal, literal_value, used_inputs
+from ._compat import bind_eqn, eqn_as_jaxpr, is_literal, is_tracer, literal_value, used_inputs
 from ._structure import Struct
 
 
@@ -77,6 +77,51 @@ def registered_primitives() -> list[str]:
     return sorted(str(p) for p in _RULES)
 
 
+def known(x):
+    """`x` as a NumPy array if it is known at trace time (NumPy, a Python scalar, a
+    concrete JAX array), else `None`."""
+    if isinstance(x, Lin):
+        return None
+    if isinstance(x, np.ndarray | np.generic | int | float | bool | complex):
+        return np.asarray(x)
+    if (
+        isinstance(x, jax.Array)
+        and not is_tracer(x)
+        and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+    ):
+        return np.asarray(x)
+    return None
+
+
+# Equations on known values are evaluated at trace time when their outputs are indices
+# (integers, booleans: what gathers, scatters and selections need to be known) or small;
+# large floating results stay in the program, which must not hold them as constants.
+_KNOWN_INDEX_SIZE = 1 << 24
+_KNOWN_FLOAT_SIZE = 1 << 12
+
+
+def evaluate_known(eqn, vals):
+    """`eqn` applied to `vals` at trace time, as NumPy outputs, if every input is known and
+    the outputs are indices or small; else `None`."""
+    if eqn.effects:
+        return None
+    for v in eqn.outvars:
+        if not isinstance(getattr(v.aval, "dtype", None), np.dtype):
+            return None  # PRNG keys, tokens
+        n = math.prod(v.aval.shape)
+        if jnp.issubdtype(v.aval.dtype, jnp.inexact):
+            if n > _KNOWN_FLOAT_SIZE:
+                return None
+        elif n > _KNOWN_INDEX_SIZE:
+            return None
+    args = [known(x) for x in vals]
+    if any(a is None for a in args):
+        return None
+    with jax.ensure_compile_time_eval():
+        outs = bind_eqn(eqn, [jnp.asarray(a) for a in args])
+    return [np.asarray(o) for o in outs]
+
+
 def read_value(env, v):
     if is_literal(v):
         return np.asarray(literal_value(v), dtype=v.aval.dtype)
@@ -104,7 +149,8 @@ def interpret(ctx: Context, jaxpr, consts, invals) -> list:
     def apply_eqn(eqn, vals):
         if any(isinstance(x, Lin) for x in vals):
             return apply_rule(ctx, eqn, vals)
-        return bind_eqn(eqn, vals)
+        outs = evaluate_known(eqn, vals)
+        return bind_eqn(eqn, vals) if outs is None else outs
 
     return eval_jaxpr(jaxpr, consts, invals, apply_eqn)
 

@@ -1,4 +1,5 @@
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,9 +11,9 @@ import jax.tree_util as jtu
 import lineax as lx
 import numpy as np
 
-from . import _rules as _rules  # noqa: F401  (registers the structure rules)
+from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
 from ._compat import bind_eqn, dce_jaxpr, prim
-from ._interpreter import Context, eval_jaxpr, interpret, Lin
+from ._interpreter import Context, eval_jaxpr, evaluate_known, interpret, known, Lin
 from ._structure import Struct
 
 
@@ -76,21 +77,63 @@ def _check_inputs(leaves, holomorphic: bool, api: str):
 
 class _Spec:
     """The static part of a materialisation: a jaxpr (compared by its text, so retracing
-    the same function does not recompile) and the options."""
+    the same function does not recompile), the options, and the jaxpr's integer constants
+    (indices, known at trace time so that the structure rules can read them; compared by
+    their bytes)."""
 
-    def __init__(self, jaxpr, n_diff: int, mode: str, strict: bool, structured: bool):
+    def __init__(
+        self, jaxpr, n_diff: int, mode: str, strict: bool, structured: bool, static_consts=None
+    ):
         self.jaxpr = jaxpr
         self.n_diff = n_diff
         self.mode = mode
         self.strict = strict
         self.structured = structured
-        self._key = (str(jaxpr), _callable_ids(jaxpr), n_diff, mode, strict, structured)
+        self.static_consts = dict(static_consts or {})
+        static_key = tuple(
+            (i, c.dtype.str, c.shape, hashlib.blake2b(c.tobytes(), digest_size=16).hexdigest())
+            for i, c in sorted(self.static_consts.items())
+        )
+        self._key = (
+            str(jaxpr),
+            _callable_ids(jaxpr),
+            n_diff,
+            mode,
+            strict,
+            structured,
+            static_key,
+        )
 
     def __hash__(self):
         return hash(self._key)
 
     def __eq__(self, other):
         return isinstance(other, _Spec) and self._key == other._key
+
+    def consts(self, dynamic):
+        """The jaxpr's constants: the kernel's arguments, with the static ones put back."""
+        return [self.static_consts.get(i, c) for i, c in enumerate(dynamic)]
+
+
+_STATIC_CONST_SIZE = 1 << 20
+
+
+def _split_consts(consts):
+    """`(dynamic, static)`: integer and boolean constants known at trace time (indices) are
+    kept static, the others (closed-over arrays) become arguments of the kernel."""
+    dynamic, static = [], {}
+    for i, c in enumerate(consts):
+        k = known(c)
+        if (
+            k is not None
+            and not jnp.issubdtype(k.dtype, jnp.inexact)
+            and k.size <= _STATIC_CONST_SIZE
+        ):
+            static[i] = k
+            dynamic.append(None)
+        else:
+            dynamic.append(c)
+    return dynamic, static
 
 
 def _callable_ids(jaxpr) -> tuple:
@@ -158,7 +201,10 @@ def _eval_forward_differentiable(jaxpr, consts, args):
         closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         if eqn.primitive in (prim("jit"), prim("closed_call")) and _has_custom_vjp(closed):
             return _eval_forward_differentiable(closed.jaxpr, closed.consts, vals)
-        return bind_eqn(eqn, vals)
+        # Index computations on known values stay known, so that the linear program's
+        # gathers and scatters have indices the structure rules can read.
+        outs = evaluate_known(eqn, vals)
+        return bind_eqn(eqn, vals) if outs is None else outs
 
     return eval_jaxpr(jaxpr, consts, args, apply_eqn)
 
@@ -191,6 +237,7 @@ def _structured_jacobian(spec: _Spec, consts, diff, rest):
     """Returns `blocks[q][p]`: the block of output leaf `q` w.r.t. input leaf `p`, or
     `None` for zero; plus the record of densified primitives."""
     jaxpr = spec.jaxpr
+    consts = spec.consts(consts)
 
     def f(*d):
         return _eval_forward_differentiable(jaxpr, consts, list(d) + list(rest))
@@ -398,8 +445,9 @@ def materialise(
     api = "diffrax_linearize.materialise"
     _check_mode(mode, api)
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, holomorphic, api)
-    spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=False)
-    cells = _run_dense(spec, list(closed.consts), diff, rest)
+    dynamic, static = _split_consts(closed.consts)
+    spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=False, static_consts=static)
+    cells = _run_dense(spec, dynamic, diff, rest)
     return out_tree.unflatten([diff_tree.unflatten(row) for row in cells])
 
 
@@ -458,8 +506,9 @@ def materialise_operator(
     if not isinstance(argnums, int):
         raise TypeError(f"`{api}`: `argnums` must be a single int, got {argnums!r}.")
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, False, api)
-    spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=True)
-    op = _run_operator(spec, list(closed.consts), diff, rest, diff_tree, out_tree)
+    dynamic, static = _split_consts(closed.consts)
+    spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=True, static_consts=static)
+    op = _run_operator(spec, dynamic, diff, rest, diff_tree, out_tree)
     out_avals = [v.aval for v in closed.jaxpr.outvars]
     if len(diff) == 1 and len(out_avals) == 1 and out_avals[0].dtype != diff[0].dtype:
         # lineax's matrix operators take their input dtype from the matrix: a map that
@@ -511,6 +560,7 @@ def structured_blocks(fn: Callable, *args, mode: str = "forward"):
     `None` where it is zero. Nothing is compiled separately."""
     api = "diffrax_linearize.internal.structured_blocks"
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, 0, False, api)
-    spec = _Spec(closed.jaxpr, len(diff), mode, False, structured=True)
-    blocks, _ = _structured_jacobian(spec, list(closed.consts), diff, rest)
+    dynamic, static = _split_consts(closed.consts)
+    spec = _Spec(closed.jaxpr, len(diff), mode, False, structured=True, static_consts=static)
+    blocks, _ = _structured_jacobian(spec, dynamic, diff, rest)
     return blocks, diff_tree, out_tree

@@ -1,6 +1,10 @@
 """Structure rules, one per primitive (or family of primitives), for the interpreter in
 `_interpreter.py`. Every rule is exact; where a rule cannot keep the structure of an axis it
-makes that axis dense (`Struct.densify_out`), never wrong, only slower."""
+makes that axis dense (`Struct.densify_out`), never wrong, only slower.
+
+Data movement along an axis that is a delta (a slice, pad, reversal, concatenation, a gather
+with indices known at trace time) keeps the structure as a row-compressed pattern (an
+`Ell`, see `_structure.py`), computed at trace time with NumPy."""
 
 import math
 
@@ -9,9 +13,18 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compat import prim
-from ._interpreter import Context, dense_fallback, interpret, Lin, register_rule
-from ._structure import add, contract, fresh_label, is_unit, place, Struct
+from ._compat import bind_eqn, prim
+from ._interpreter import Context, dense_fallback, interpret, known, Lin, register_rule
+from ._sparsity import (
+    apply_known_or_traced,
+    common_form,
+    eval_known,
+    fold_out_axes,
+    gather_rows,
+    map_out_axes,
+    simplify,
+)
+from ._structure import add, BAND, contract, Ell, fresh_label, is_known, is_unit, place, Struct
 
 
 # ---- helpers --------------------------------------------------------------------------
@@ -29,6 +42,12 @@ def _single_linear(vals):
     """The position of the only linear input, or `None` if there are several."""
     pos = _lin_positions(vals)
     return pos[0] if len(pos) == 1 else None
+
+
+def _has_pattern(x: Lin) -> bool:
+    """Whether some block of `x` has deltas or an `Ell`: structure that data movement can
+    keep as a pattern."""
+    return any(b.ell is not None or b.ties for b in x.blocks.values())
 
 
 def _cast(block: Struct, dtype) -> Struct:
@@ -54,6 +73,13 @@ def _blockwise(fn):
     return rule
 
 
+def _with_ell(b: Struct, tmap=None, mask=None) -> Ell | None:
+    """`b`'s `Ell` with a new `tmap` and `mask` (`None` if `b` has none)."""
+    if b.ell is None:
+        return None
+    return Ell(tmap, mask, b.ell.in_axes)
+
+
 def _forget_size_one(val, val_labels: list, label, in_labels):
     """Drop a size-one out axis's `label` from `val` (in place on `val_labels`), unless the
     in side still carries it. Returns the new `val`."""
@@ -62,6 +88,14 @@ def _forget_size_one(val, val_labels: list, label, in_labels):
         val = val.reshape(val.shape[:a] + val.shape[a + 1 :])
         del val_labels[a]
     return val
+
+
+def _broadcast_pattern(arr, shape, broadcast_dimensions):
+    """`lax.broadcast_in_dim` of a pattern array (leading entry axis) on NumPy."""
+    new = [arr.shape[0]] + [1] * len(shape)
+    for j, k in enumerate(broadcast_dimensions):
+        new[1 + k] = arr.shape[1 + j]
+    return np.broadcast_to(arr.reshape(new), (arr.shape[0],) + tuple(shape))
 
 
 def _broadcast_block(block: Struct, shape, broadcast_dimensions) -> Struct:
@@ -78,7 +112,14 @@ def _broadcast_block(block: Struct, shape, broadcast_dimensions) -> Struct:
     for k in range(len(shape)):
         if out_labels[k] is None:
             out_labels[k] = fresh_label()
-    return Struct.build(val, val_labels, out_labels, block.in_labels, shape, block.in_shape)
+    ell = None
+    if block.ell is not None:
+        ell = _with_ell(
+            block,
+            _broadcast_pattern(block.ell.tmap, shape, broadcast_dimensions),
+            _broadcast_pattern(block.ell.full_mask(), shape, broadcast_dimensions),
+        )
+    return Struct.build(val, val_labels, out_labels, block.in_labels, shape, block.in_shape, ell)
 
 
 def _to_shape(x: Lin, shape) -> Lin:
@@ -123,6 +164,7 @@ def _scale(block: Struct, c, combine=None) -> Struct:
             block.in_labels,
             block.out_shape,
             block.in_shape,
+            block.ell,
         )
     # Division: place `c` against `val`'s labels, broadcasting `val` where needed.
     labels = tuple(block.val_labels) + tuple(
@@ -136,7 +178,7 @@ def _scale(block: Struct, c, combine=None) -> Struct:
     if tuple(val.shape) != full:
         val = jnp.broadcast_to(val, full)
     return Struct.build(
-        val, labels, block.out_labels, block.in_labels, block.out_shape, block.in_shape
+        val, labels, block.out_labels, block.in_labels, block.out_shape, block.in_shape, block.ell
     )
 
 
@@ -154,7 +196,7 @@ def _apply_along_out(ctx: Context, eqn, vals, positions=None):
     n_out = len(x.shape)
     blocks = {}
     for p, b in x.blocks.items():
-        b = b.densify_out()
+        b = b.ell_to_plain().densify_out()
         in_side = [label for label in b.val_labels if label not in b.out_labels]
         order = list(b.out_labels) + in_side
         v = place(b.val, b.val_labels, order)
@@ -164,8 +206,6 @@ def _apply_along_out(ctx: Context, eqn, vals, positions=None):
         in_axes[pos] = -1
         args = list(vals)
         args[pos] = flat
-        from ._compat import bind_eqn
-
         res = jax.vmap(lambda *a: bind_eqn(eqn, a)[0], in_axes=in_axes, out_axes=-1)(*args)
         sizes = b.sizes
         res = res.reshape(tuple(aval.shape) + tuple(sizes[label] for label in in_side))
@@ -185,23 +225,42 @@ def _sum_lins(lins, shape, dtype) -> Lin:
     return Lin(blocks, shape, dtype)
 
 
-def _densify_and(block: Struct, axes, fn) -> Struct:
-    """Densify the given out axes, then apply `fn(val, val_axes)` where `val_axes` are the
-    positions in `val` of those out axes; `fn` returns the new `val` with the same rank."""
+def _move_out(block: Struct, axes, fn, out_shape, pattern_known: bool = True) -> Struct:
+    """Data movement `fn(arr, positions, fill)` along the out axes `axes` of a block (a
+    slice, pad, reversal, ...), to the new `out_shape`. A delta on a moved axis becomes a
+    row-compressed pattern, if the movement is known at trace time (`pattern_known`);
+    otherwise that axis is made dense."""
+    axes = list(axes)
+    if not axes:
+        return block
+    tied = any(block.out_labels[k] in block.in_labels for k in axes)
+    if pattern_known and (block.ell is not None or tied):
+        return map_out_axes(block.to_ell(), axes, fn, out_shape)
+    if not pattern_known:
+        block = block.ell_to_plain()
     block = block.densify_out(axes).canonical()
-    val_axes = [block.val_labels.index(block.out_labels[k]) for k in axes]
-    return fn(jnp.asarray(block.val), val_axes), block
-
-
-def _rebuild_out(block: Struct, val, out_shape) -> Struct:
-    """A block whose out axes are resized to `out_shape` (all resized axes were dense)."""
+    positions = [block.val_labels.index(block.out_labels[k]) for k in axes]
+    val = apply_known_or_traced(fn, block.val, positions, np.zeros((), block.val.dtype))
     return Struct.build(
-        val,
-        block.val_labels,
-        block.out_labels,
-        block.in_labels,
-        out_shape,
-        block.in_shape,
+        val, block.val_labels, block.out_labels, block.in_labels, out_shape, block.in_shape
+    )
+
+
+def _permute_out(b: Struct, perm) -> Struct:
+    """The block with its out axes permuted: new axis `k` is old axis `perm[k]`."""
+    perm = list(perm)
+    ell = None
+    if b.ell is not None:
+        tperm = [0] + [1 + k for k in perm]
+        ell = _with_ell(b, b.ell.tmap.transpose(tperm), b.ell.full_mask().transpose(tperm))
+    return Struct.build(
+        b.val,
+        b.val_labels,
+        [b.out_labels[k] for k in perm],
+        b.in_labels,
+        [b.out_shape[k] for k in perm],
+        b.in_shape,
+        ell,
     )
 
 
@@ -217,6 +276,7 @@ register_rule(prim("convert_element_type"))(_blockwise(lambda b, eqn, vals, pos:
 
 @register_rule(
     prim("copy"),
+    prim("copy_p"),
     prim("sharding_constraint"),
     prim("device_put"),
     prim("optimization_barrier"),
@@ -250,15 +310,7 @@ def _reduce_precision_rule(ctx, eqn, vals):
 @register_rule(prim("transpose"))
 @_blockwise
 def _transpose_rule(b, eqn, vals, pos):
-    perm = eqn.params["permutation"]
-    return Struct.build(
-        b.val,
-        b.val_labels,
-        [b.out_labels[k] for k in perm],
-        b.in_labels,
-        [b.out_shape[k] for k in perm],
-        b.in_shape,
-    )
+    return _permute_out(b, eqn.params["permutation"])
 
 
 @register_rule(prim("broadcast_in_dim"))
@@ -278,6 +330,12 @@ def _drop_out_axes(b: Struct, axes) -> Struct:
     for k in axes:
         val = _forget_size_one(val, val_labels, b.out_labels[k], b.in_labels)
     keep = [k for k in range(len(b.out_shape)) if k not in axes]
+    ell = None
+    if b.ell is not None:
+        squeeze = tuple(1 + k for k in axes)
+        ell = _with_ell(
+            b, np.squeeze(b.ell.tmap, axis=squeeze), np.squeeze(b.ell.full_mask(), axis=squeeze)
+        )
     return Struct.build(
         val,
         val_labels,
@@ -285,6 +343,7 @@ def _drop_out_axes(b: Struct, axes) -> Struct:
         b.in_labels,
         [b.out_shape[k] for k in keep],
         b.in_shape,
+        ell,
     )
 
 
@@ -320,58 +379,88 @@ def _reshape_groups(old, new):
     return groups
 
 
+def _reshape_block(b: Struct, new_shape) -> Struct:
+    """A row-major reshape of the block's out side. Axes that really split or merge are
+    made dense, or, where they carry a delta, kept as a row-compressed pattern."""
+    old_shape = b.out_shape
+    groups = _reshape_groups(old_shape, new_shape)
+    merge_axes = [k for go, gn in groups if len(go) > 1 or len(gn) > 1 for k in go]
+    if b.ell is not None or any(b.out_labels[k] in b.in_labels for k in merge_axes):
+        b = b.to_ell()
+    b = b.densify_out(merge_axes).canonical()
+    ones_old = [k for k, d in enumerate(old_shape) if d == 1]
+    val, val_labels = b.val, list(b.val_labels)
+    new_labels = [None] * len(new_shape)
+    # Build the new val: for merged groups, the group's val axes are consecutive
+    # (canonical labels are ordered by out axis), so reshape them in place.
+    for go, gn in reversed(groups):
+        if len(go) == 1 and len(gn) == 1:
+            new_labels[gn[0]] = b.out_labels[go[0]]
+            continue
+        first = val_labels.index(b.out_labels[go[0]])
+        assert [val_labels[first + t] for t in range(len(go))] == [b.out_labels[k] for k in go]
+        labels = [fresh_label() for _ in gn]
+        val = val.reshape(
+            val.shape[:first] + tuple(new_shape[k] for k in gn) + val.shape[first + len(go) :]
+        )
+        val_labels[first : first + len(go)] = labels
+        for k, label in zip(gn, labels):
+            new_labels[k] = label
+    # Size-one axes: dropped from the old side, fresh on the new side.
+    for k in ones_old:
+        val = _forget_size_one(val, val_labels, b.out_labels[k], b.in_labels)
+    for k, d in enumerate(new_shape):
+        if new_labels[k] is None:
+            new_labels[k] = fresh_label()
+    ell = None
+    if b.ell is not None:
+        S = b.ell.S
+        ell = _with_ell(
+            b,
+            b.ell.tmap.reshape((S,) + tuple(new_shape)),
+            b.ell.full_mask().reshape((S,) + tuple(new_shape)),
+        )
+    out = Struct.build(val, val_labels, new_labels, b.in_labels, new_shape, b.in_shape, ell)
+    return simplify(out)
+
+
 @register_rule(prim("reshape"))
 def _reshape_rule(ctx, eqn, vals):
-    if len(vals) != 1 or eqn.params.get("dimensions") is not None:
+    if len(vals) != 1:
         return NotImplemented
     (x,) = vals
     aval = _out_aval(eqn)
     new_shape = tuple(aval.shape)
     if math.prod(x.shape) == 0:
         return NotImplemented
-    groups = _reshape_groups(x.shape, new_shape)
+    dims = eqn.params.get("dimensions")
     blocks = {}
     for p, b in x.blocks.items():
-        # Densify the axes of groups that really split or merge.
-        merge_axes = [k for go, gn in groups if len(go) > 1 or len(gn) > 1 for k in go]
-        b = b.densify_out(merge_axes).canonical()
-        ones_old = [k for k, d in enumerate(x.shape) if d == 1]
-        val, val_labels = (
-            jnp.asarray(b.val) if merge_axes else b.val,
-            list(b.val_labels),
-        )
-        new_labels = [None] * len(new_shape)
-        # Build the new val: for merged groups, the group's val axes are consecutive
-        # (canonical labels are ordered by out axis), so reshape them in place.
-        for go, gn in reversed(groups):
-            if len(go) == 1 and len(gn) == 1:
-                new_labels[gn[0]] = b.out_labels[go[0]]
-                continue
-            first = val_labels.index(b.out_labels[go[0]])
-            assert [val_labels[first + t] for t in range(len(go))] == [b.out_labels[k] for k in go]
-            labels = [fresh_label() for _ in gn]
-            val = val.reshape(
-                val.shape[:first] + tuple(new_shape[k] for k in gn) + val.shape[first + len(go) :]
-            )
-            val_labels[first : first + len(go)] = labels
-            for k, label in zip(gn, labels):
-                new_labels[k] = label
-        # Size-one axes: dropped from the old side, fresh on the new side.
-        for k in ones_old:
-            val = _forget_size_one(val, val_labels, b.out_labels[k], b.in_labels)
-        for k, d in enumerate(new_shape):
-            if new_labels[k] is None:
-                new_labels[k] = fresh_label()
-        blocks[p] = Struct.build(val, val_labels, new_labels, b.in_labels, new_shape, b.in_shape)
+        if dims is not None:  # `lax.reshape(x, shape, dimensions)`: transpose, then reshape
+            b = _permute_out(b, dims)
+        blocks[p] = _reshape_block(b, new_shape)
     return [Lin(blocks, aval.shape, aval.dtype)]
+
+
+def _rev(v, positions, fill):
+    return jnp.flip(v, axis=tuple(positions)) if positions else v
 
 
 @register_rule(prim("rev"))
 @_blockwise
 def _rev_rule(b, eqn, vals, pos):
     axes = list(eqn.params["dimensions"])
-    val, b = _densify_and(b, axes, lambda v, va: jnp.flip(v, axis=tuple(va)))
-    return b.with_val(val)
+    return _move_out(b, axes, _rev, b.out_shape)
+
+
+def _slice_fn(axes, start, limit, strides):
+    def fn(v, positions, fill):
+        s, li, st = [0] * v.ndim, list(v.shape), [1] * v.ndim
+        for k, a in zip(axes, positions):
+            s[a], li[a], st[a] = start[k], limit[k], strides[k]
+        return lax.slice(v, s, li, st)
+
+    return fn
 
 
 @register_rule(prim("slice"))
@@ -387,15 +476,7 @@ def _slice_rule(b, eqn, vals, pos):
         k for k in range(len(start)) if (start[k], limit[k], strides[k]) != (0, b.out_shape[k], 1)
     ]
     out_shape = _out_aval(eqn).shape
-
-    def fn(v, va):
-        s, li, st = [0] * v.ndim, list(v.shape), [1] * v.ndim
-        for k, a in zip(axes, va):
-            s[a], li[a], st[a] = start[k], limit[k], strides[k]
-        return lax.slice(v, s, li, st)
-
-    val, b = _densify_and(b, axes, fn)
-    return _rebuild_out(b, val, out_shape)
+    return _move_out(b, axes, _slice_fn(axes, start, limit, strides), out_shape)
 
 
 @register_rule(prim("dynamic_slice"))
@@ -406,46 +487,55 @@ def _dynamic_slice_rule(ctx, eqn, vals):
     sizes = eqn.params["slice_sizes"]
     aval = _out_aval(eqn)
     axes = [k for k in range(len(sizes)) if sizes[k] != x.shape[k]]
-    blocks = {}
-    for p, b in x.blocks.items():
+    static = [known(s) for s in starts]
+    if all(s is not None for s in static):
+        # Known offsets: a slice (clamped into range, as `lax.dynamic_slice` does).
+        begin = [int(min(max(int(s), 0), x.shape[k] - sizes[k])) for k, s in enumerate(static)]
+        limit = [begin[k] + sizes[k] for k in range(len(sizes))]
+        fn = _slice_fn(axes, begin, limit, [1] * len(sizes))
+        blocks = {
+            p: _cast(_move_out(b, axes, fn, aval.shape), aval.dtype) for p, b in x.blocks.items()
+        }
+        return [Lin(blocks, aval.shape, aval.dtype)]
 
-        def fn(v, va):
-            idx = [jnp.zeros_like(starts[0]) if starts else 0] * v.ndim  # starts' int type
-            sz = list(v.shape)
-            for k, a in zip(axes, va):
-                idx[a] = starts[k]
-                sz[a] = sizes[k]
-            return lax.dynamic_slice(v, idx, sz)
+    def fn(v, positions, fill):
+        idx = [jnp.zeros_like(starts[0])] * v.ndim  # starts' int type
+        sz = list(v.shape)
+        for k, a in zip(axes, positions):
+            idx[a] = starts[k]
+            sz[a] = sizes[k]
+        return lax.dynamic_slice(v, idx, sz)
 
-        val, bb = _densify_and(b, axes, fn)
-        blocks[p] = _cast(_rebuild_out(bb, val, aval.shape), aval.dtype)
+    blocks = {
+        p: _cast(_move_out(b, axes, fn, aval.shape, pattern_known=False), aval.dtype)
+        for p, b in x.blocks.items()
+    }
     return [Lin(blocks, aval.shape, aval.dtype)]
 
 
 @register_rule(prim("pad"))
 def _pad_rule(ctx, eqn, vals):
     if _lin_positions(vals) != [0]:
-        return NotImplemented
+        return _data_movement(ctx, eqn, vals)  # a linear padding value
     x, _ = vals  # the padding value is a constant: its tangent is zero
     config = eqn.params["padding_config"]
     aval = _out_aval(eqn)
     axes = [k for k, c in enumerate(config) if tuple(c) != (0, 0, 0)]
-    blocks = {}
-    for p, b in x.blocks.items():
 
-        def fn(v, va):
-            cfg = [(0, 0, 0)] * v.ndim
-            for k, a in zip(axes, va):
-                cfg[a] = tuple(int(c) for c in config[k])
-            return lax.pad(v, jnp.zeros((), v.dtype), cfg)
+    def fn(v, positions, fill):
+        cfg = [(0, 0, 0)] * v.ndim
+        for k, a in zip(axes, positions):
+            cfg[a] = tuple(int(c) for c in config[k])
+        return lax.pad(v, jnp.asarray(fill, v.dtype), cfg)
 
-        val, bb = _densify_and(b, axes, fn)
-        blocks[p] = _cast(_rebuild_out(bb, val, aval.shape), aval.dtype)
+    blocks = {p: _cast(_move_out(b, axes, fn, aval.shape), aval.dtype) for p, b in x.blocks.items()}
     return [Lin(blocks, aval.shape, aval.dtype)]
 
 
 @register_rule(prim("concatenate"))
 def _concatenate_rule(ctx, eqn, vals):
+    if any(_has_pattern(x) for x in vals if isinstance(x, Lin)):
+        return _data_movement(ctx, eqn, vals)
     dim = eqn.params["dimension"]
     aval = _out_aval(eqn)
     total = aval.shape[dim]
@@ -454,16 +544,13 @@ def _concatenate_rule(ctx, eqn, vals):
     for x in vals:
         size = x.shape[dim]
         if isinstance(x, Lin):
-            blocks = {}
-            for p, b in x.blocks.items():
 
-                def fn(v, va, offset=offset, size=size):
-                    cfg = [(0, 0, 0)] * v.ndim
-                    cfg[va[0]] = (offset, total - offset - size, 0)
-                    return lax.pad(v, jnp.zeros((), v.dtype), cfg)
+            def fn(v, positions, fill, offset=offset, size=size):
+                cfg = [(0, 0, 0)] * v.ndim
+                cfg[positions[0]] = (offset, total - offset - size, 0)
+                return lax.pad(v, jnp.asarray(fill, v.dtype), cfg)
 
-                val, bb = _densify_and(b, [dim], fn)
-                blocks[p] = _rebuild_out(bb, val, aval.shape)
+            blocks = {p: _move_out(b, [dim], fn, aval.shape) for p, b in x.blocks.items()}
             parts.append(Lin(blocks, aval.shape, aval.dtype))
         offset += size
     return [_sum_lins(parts, aval.shape, aval.dtype)]
@@ -477,14 +564,14 @@ def _split_rule(ctx, eqn, vals):
     start = 0
     for v in eqn.outvars:
         size = v.aval.shape[axis]
-        blocks = {}
-        for p, b in x.blocks.items():
 
-            def fn(val, va, start=start, size=size):
-                return lax.slice_in_dim(val, start, start + size, axis=va[0])
+        def fn(val, positions, fill, start=start, size=size):
+            return lax.slice_in_dim(val, start, start + size, axis=positions[0])
 
-            val, bb = _densify_and(b, [axis], fn)
-            blocks[p] = _cast(_rebuild_out(bb, val, v.aval.shape), v.aval.dtype)
+        blocks = {
+            p: _cast(_move_out(b, [axis], fn, v.aval.shape), v.aval.dtype)
+            for p, b in x.blocks.items()
+        }
         outs.append(Lin(blocks, v.aval.shape, v.aval.dtype))
         start += size
     return outs
@@ -492,22 +579,18 @@ def _split_rule(ctx, eqn, vals):
 
 @register_rule(prim("tile"))
 def _tile_rule(ctx, eqn, vals):
-    """`tile` repeats each tiled out axis: that axis is made dense and its values are
-    concatenated `reps` times."""
+    """`tile` repeats each tiled out axis: its values are concatenated `reps` times."""
     (x,) = vals
     reps = eqn.params["reps"]
     aval = _out_aval(eqn)
     axes = [k for k, r in enumerate(reps) if r != 1]
 
-    def fn(v, va):
-        for k, a in zip(axes, va):
+    def fn(v, positions, fill):
+        for k, a in zip(axes, positions):
             v = jnp.concatenate([v] * reps[k], axis=a)
         return v
 
-    blocks = {}
-    for p, b in x.blocks.items():
-        val, bb = _densify_and(b, axes, fn)
-        blocks[p] = _cast(_rebuild_out(bb, val, aval.shape), aval.dtype)
+    blocks = {p: _cast(_move_out(b, axes, fn, aval.shape), aval.dtype) for p, b in x.blocks.items()}
     return [Lin(blocks, aval.shape, aval.dtype)]
 
 
@@ -515,6 +598,8 @@ def _tile_rule(ctx, eqn, vals):
 @_blockwise
 def _reduce_sum_rule(b, eqn, vals, pos):
     axes = sorted(eqn.params["axes"])
+    if b.ell is not None:
+        return fold_out_axes(b, axes)
     val, val_labels = b.val, list(b.val_labels)
     factor = 1
     for k in axes:
@@ -537,8 +622,183 @@ def _reduce_sum_rule(b, eqn, vals, pos):
 @_blockwise
 def _cumsum_rule(b, eqn, vals, pos):
     axis, reverse = eqn.params["axis"], eqn.params["reverse"]
-    val, b = _densify_and(b, [axis], lambda v, va: lax.cumsum(v, axis=va[0], reverse=reverse))
-    return b.with_val(val)
+    b = b.ell_to_plain().densify_out([axis]).canonical()
+    a = b.val_labels.index(b.out_labels[axis])
+    return b.with_val(lax.cumsum(jnp.asarray(b.val), axis=a, reverse=reverse))
+
+
+# ---- data movement with indices known at trace time -----------------------------------
+
+
+def _codes(eqn, vals):
+    """Which element of which floating input each output element of a data-movement
+    equation is: the equation applied at trace time to position codes (one-based, zero for
+    none), every integer input (indices, predicates) being known. Returns
+    `(out_codes, offsets, sizes)` or `None` where an index is not known."""
+    args = []
+    offsets, sizes = {}, {}
+    total = 0
+    for i, (v, x) in enumerate(zip(eqn.invars, vals)):
+        if jnp.issubdtype(v.aval.dtype, jnp.inexact):
+            n = math.prod(v.aval.shape)
+            if isinstance(x, Lin):
+                offsets[i], sizes[i] = total, n
+                args.append(
+                    np.arange(total + 1, total + 1 + n, dtype=np.int32).reshape(v.aval.shape)
+                )
+                total += n
+            else:
+                args.append(np.zeros(v.aval.shape, np.int32))
+        else:
+            k = known(x)
+            if k is None:
+                return None
+            args.append(k.astype(v.aval.dtype))
+    if total >= np.iinfo(np.int32).max:
+        return None
+    outs = eval_known(lambda *a: bind_eqn(eqn, a), *args)
+    return [np.asarray(o) for o in outs], offsets, sizes
+
+
+def _data_movement(ctx, eqn, vals, codes=None):
+    """The rule for an equation each of whose output elements is one element of one of its
+    floating inputs, or zero (concatenate, pad, gather, scatter, dynamic_update_slice,
+    select_n with a known predicate, ...), with indices known at trace time: the output's
+    rows are gathered from the inputs' rows as a row-compressed pattern."""
+    if codes is None:
+        codes = _codes(eqn, vals)
+    if codes is None:
+        return NotImplemented
+    out_codes, offsets, sizes = codes
+    leaves = sorted({p for x in vals if isinstance(x, Lin) for p in x.blocks})
+    results = []
+    for k, v in enumerate(eqn.outvars):
+        aval = v.aval
+        c = out_codes[k]
+        blocks = {}
+        for p in leaves:
+            operands = [i for i in offsets if p in vals[i].blocks]
+            if not operands:
+                continue
+            # Global code - 1 -> row in the stacked rows of the operands holding leaf p.
+            lookup = np.full(sum(sizes.values()) + 1, -1, np.int64)
+            base = 0
+            for i in operands:
+                lookup[1 + offsets[i] : 1 + offsets[i] + sizes[i]] = np.arange(
+                    base, base + sizes[i]
+                )
+                base += sizes[i]
+            src = lookup[c][None]
+            ok = src >= 0
+            parts = common_form([vals[i].blocks[p] for i in operands], force_ell=True)
+            blocks[p] = _cast(gather_rows(parts, src, ok, aval.shape), aval.dtype)
+        results.append(Lin(blocks, aval.shape, aval.dtype))
+    return results
+
+
+@register_rule(prim("stack"), prim("unstack"))
+def _stack_rule(ctx, eqn, vals):
+    out = _data_movement(ctx, eqn, vals)
+    return dense_fallback(ctx, eqn, vals) if out is NotImplemented else out
+
+
+def _index_known(eqn, vals) -> bool:
+    return all(
+        known(x) is not None
+        for v, x in zip(eqn.invars, vals)
+        if not jnp.issubdtype(v.aval.dtype, jnp.inexact)
+    )
+
+
+@register_rule(prim("gather"), prim("dynamic_update_slice"), prim("scatter"))
+def _gather_scatter_rule(ctx, eqn, vals):
+    """Known indices keep the pattern of deltas and row-compressed blocks; otherwise (or for
+    dense blocks) the primitive is applied along the out side."""
+    if any(_has_pattern(x) for x in vals if isinstance(x, Lin)) and _index_known(eqn, vals):
+        out = _data_movement(ctx, eqn, vals)
+        if out is not NotImplemented:
+            return out
+    return _apply_along_out(ctx, eqn, vals)
+
+
+def _scatter_destinations(eqn, indices, out_shape, updates_shape):
+    """For `scatter-add(operand, indices, updates)`: the one-based flat output position each
+    update element is added to (zero where it is dropped), from the gather that is its
+    transpose, evaluated at trace time."""
+    dn = eqn.params["dimension_numbers"]
+    slice_sizes = []
+    pos = 0
+    batching = getattr(dn, "operand_batching_dims", ())
+    for i in range(len(out_shape)):
+        if i in dn.inserted_window_dims or i in batching:
+            slice_sizes.append(1)
+        else:
+            slice_sizes.append(updates_shape[dn.update_window_dims[pos]])
+            pos += 1
+    gather_dn = lax.GatherDimensionNumbers(
+        offset_dims=dn.update_window_dims,
+        collapsed_slice_dims=dn.inserted_window_dims,
+        start_index_map=dn.scatter_dims_to_operand_dims,
+        operand_batching_dims=batching,
+        start_indices_batching_dims=getattr(dn, "scatter_indices_batching_dims", ()),
+    )
+    codes = np.arange(1, math.prod(out_shape) + 1, dtype=np.int32).reshape(out_shape)
+    return eval_known(
+        lambda c, i: lax.gather(
+            c,
+            i,
+            dimension_numbers=gather_dn,
+            slice_sizes=tuple(slice_sizes),
+            mode=eqn.params["mode"],
+            fill_value=0,
+        ),
+        codes,
+        indices,
+    )
+
+
+@register_rule(prim("scatter_add"), prim("scatter-add"))
+def _scatter_add_rule(ctx, eqn, vals):
+    """`scatter-add` with known indices: each output row gathers the operand's row and
+    every update row added to it."""
+    operand, indices, updates = vals
+    idx = known(indices)
+    lins = [x for x in (operand, updates) if isinstance(x, Lin)]
+    if idx is None or not any(_has_pattern(x) for x in lins):
+        return _apply_along_out(ctx, eqn, vals)
+    aval = _out_aval(eqn)
+    out_shape = tuple(aval.shape)
+    upd_shape = tuple(eqn.invars[2].aval.shape)
+    dest = _scatter_destinations(eqn, idx, out_shape, upd_shape).reshape(-1).astype(np.int64) - 1
+    n_out = math.prod(out_shape)
+    live = np.flatnonzero(dest >= 0)
+    order = np.argsort(dest[live], kind="stable")
+    live = live[order]
+    targets = dest[live]
+    counts = np.bincount(targets, minlength=n_out)
+    C = int(counts.max(initial=0))
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    pos = np.arange(len(live)) - starts[targets]
+    leaves = sorted({p for x in lins for p in x.blocks})
+    blocks = {}
+    for p in leaves:
+        parts, sources = [], []
+        base = 0
+        rows = np.full((1 + C, n_out), -1, np.int64)
+        if isinstance(operand, Lin) and p in operand.blocks:
+            parts.append(operand.blocks[p])
+            rows[0] = np.arange(n_out)
+            base = n_out
+        if isinstance(updates, Lin) and p in updates.blocks and C > 0:
+            parts.append(updates.blocks[p])
+            rows[1 + pos, targets] = base + live
+        del sources
+        keep = (rows >= 0).any(axis=1)
+        rows = rows[keep]
+        parts = common_form(parts, force_ell=True)
+        src = rows.reshape((-1,) + out_shape)
+        blocks[p] = _cast(gather_rows(parts, src, src >= 0, out_shape), aval.dtype)
+    return [Lin(blocks, aval.shape, aval.dtype)]
 
 
 # ---- arithmetic -----------------------------------------------------------------------
@@ -594,6 +854,7 @@ def _select_n_rule(ctx, eqn, vals):
     if isinstance(pred, Lin):
         return NotImplemented
     aval = _out_aval(eqn)
+    pred_known = known(pred)
     pred = _const_array(pred)
     terms = []
     for k, x in enumerate(cases):
@@ -602,10 +863,31 @@ def _select_n_rule(ctx, eqn, vals):
         x = _to_shape(x, aval.shape)
         if pred.dtype == np.bool_:
             mask = pred if k == 1 else jnp.logical_not(pred)
+            sel = None if pred_known is None else (pred_known if k == 1 else ~pred_known)
         else:
             mask = pred == k
-        mask = jnp.asarray(mask).astype(aval.dtype)
-        terms.append(Lin({p: _scale(b, mask) for p, b in x.blocks.items()}, x.shape, x.dtype))
+            sel = None if pred_known is None else pred_known == k
+        if sel is not None:
+            mask = np.asarray(sel)
+        mask = mask.astype(aval.dtype) if is_known(mask) else jnp.asarray(mask).astype(aval.dtype)
+        blocks = {}
+        for p, b in x.blocks.items():
+            b = _scale(b, mask)
+            if b.ell is not None and sel is not None:
+                live = b.ell.full_mask() & np.broadcast_to(sel, aval.shape)[None]
+                b = simplify(
+                    Struct.build(
+                        b.val,
+                        b.val_labels,
+                        b.out_labels,
+                        b.in_labels,
+                        b.out_shape,
+                        b.in_shape,
+                        Ell(b.ell.tmap, live, b.ell.in_axes),
+                    )
+                )
+            blocks[p] = b
+        terms.append(Lin(blocks, x.shape, x.dtype))
     return [_sum_lins(terms, aval.shape, aval.dtype)]
 
 
@@ -628,6 +910,12 @@ def _complex_rule(ctx, eqn, vals):
 def _dot_block(b: Struct, a, lin_is_lhs: bool, dimension_numbers, out_shape, dtype, precision):
     (lc, rc), (lb, rb) = dimension_numbers
     xc, ac, xb, ab = (lc, rc, lb, rb) if lin_is_lhs else (rc, lc, rb, lb)
+    if b.ell is not None:
+        folded = b.ell.S * math.prod(b.out_shape[k] for k in xc)
+        if 2 * folded > math.prod(b.group_shape):
+            b = b.ell_to_plain()  # the product is dense over the pattern's in axes
+        else:
+            return _dot_block_ell(b, a, lin_is_lhs, xc, ac, xb, ab, out_shape, dtype)
     sizes = b.sizes
     a_labels = [None] * a.ndim
     for xi, ai in zip(xc, ac):
@@ -650,6 +938,56 @@ def _dot_block(b: Struct, a, lin_is_lhs: bool, dimension_numbers, out_shape, dty
     val, labels = contract([(b.val, b.val_labels), (a, tuple(a_labels))], keep, sizes)
     block = Struct.build(val, labels, out_labels, b.in_labels, out_shape, b.in_shape)
     return _cast(block, dtype)
+
+
+def _dot_block_ell(b, a, lin_is_lhs, xc, ac, xb, ab, out_shape, dtype):
+    """`dot_general` of a row-compressed block with a constant: the constant's free axes
+    are appended as broadcast out axes, the block scaled by the constant, and the
+    contracted out axes folded into the entries."""
+    n_x = len(b.out_shape)
+    a_free = [i for i in range(a.ndim) if i not in ac and i not in ab]
+    new_labels = [fresh_label() for _ in a_free]
+    new_shape = tuple(a.shape[i] for i in a_free)
+    # 1. Append the constant's free axes (the block is constant along them).
+    shape = tuple(b.out_shape) + new_shape
+    dims = tuple(range(n_x))
+    tmap = _broadcast_pattern(b.ell.tmap, shape, dims)
+    mask = _broadcast_pattern(b.ell.full_mask(), shape, dims)
+    wide = Struct.build(
+        b.val,
+        b.val_labels,
+        tuple(b.out_labels) + tuple(new_labels),
+        b.in_labels,
+        shape,
+        b.in_shape,
+        Ell(tmap, mask, b.ell.in_axes),
+    )
+    # 2. Scale by the constant, aligned by labels (contracted and batch axes are the
+    # block's out axes; free axes the new ones).
+    a_labels = [None] * a.ndim
+    for xi, ai in zip(xc, ac):
+        a_labels[ai] = wide.out_labels[xi]
+    for xi, ai in zip(xb, ab):
+        a_labels[ai] = wide.out_labels[xi]
+    for i, label in zip(a_free, wide.out_labels[n_x:]):
+        a_labels[i] = label
+    keep = tuple(wide.val_labels) + tuple(
+        label for label in a_labels if label not in wide.val_labels
+    )
+    val, labels = contract([(wide.val, wide.val_labels), (a, tuple(a_labels))], keep, wide.sizes)
+    scaled = Struct.build(
+        val, labels, wide.out_labels, wide.in_labels, wide.out_shape, wide.in_shape, wide.ell
+    )
+    # 3. Fold the contracted axes; 4. order the out axes as `dot_general` does.
+    folded = fold_out_axes(scaled, list(xc)) if xc else scaled
+    remaining = [k for k in range(len(shape)) if k not in xc]
+    x_free = [k for k in range(n_x) if k not in xc and k not in xb]
+    free_new = list(range(n_x, len(shape)))
+    order = list(xb) + (x_free + free_new if lin_is_lhs else free_new + x_free)
+    perm = [remaining.index(k) for k in order]
+    out = _permute_out(folded, perm)
+    assert out.out_shape == tuple(out_shape), (out.out_shape, out_shape)
+    return _cast(simplify(out), dtype)
 
 
 @register_rule(prim("dot_general"))
@@ -679,10 +1017,6 @@ def _dot_general_rule(ctx, eqn, vals):
 
 
 @register_rule(
-    prim("gather"),
-    prim("dynamic_update_slice"),
-    prim("scatter_add"),
-    prim("scatter"),
     prim("conv_general_dilated"),
     prim("reduce_window_sum"),
     prim("select_and_gather_add"),
@@ -720,6 +1054,26 @@ def _call_rule(ctx, eqn, vals):
     return interpret(ctx, jaxpr, consts, vals)
 
 
+def join(blocks: list[Struct], dtype) -> Struct:
+    """A structure every block of `blocks` can be written in (their sum's), with a `val`
+    that carries every out label (and the entry axis) if it has an `Ell`."""
+    t = _cast(blocks[0], dtype)
+    for b in blocks[1:]:
+        t = add(t, _cast(b, dtype))
+    t = t.canonical()
+    if t.ell is not None:
+        t = t.broadcast_labels(list(t.out_labels) + [BAND]).canonical()
+    return t
+
+
+def conform(block: Struct, template: Struct):
+    """`block`'s values written in `template`'s structure (from `join`): an array shaped
+    like `template.val`."""
+    from ._sparsity import conform_val
+
+    return conform_val(_cast(block, template.dtype), template)
+
+
 @register_rule(prim("cond"))
 def _cond_rule(ctx, eqn, vals):
     """A known index interprets the taken branch. A traced index interprets every branch
@@ -730,16 +1084,9 @@ def _cond_rule(ctx, eqn, vals):
     if isinstance(index, Lin):
         return NotImplemented
     branches = eqn.params["branches"]
-    try:
-        i = int(np.asarray(index))
-    except (
-        TypeError,
-        jax.errors.ConcretizationTypeError,
-        jax.errors.TracerArrayConversionError,
-    ):
-        i = None
+    i = known(index)
     if i is not None:
-        branch = branches[min(max(i, 0), len(branches) - 1)]
+        branch = branches[min(max(int(i), 0), len(branches) - 1)]
         return interpret(ctx, branch.jaxpr, branch.consts, ops)
 
     def run(branch):
@@ -753,15 +1100,12 @@ def _cond_rule(ctx, eqn, vals):
         if not linear[k]:
             continue
         dtype = eqn.outvars[k].aval.dtype
+        found: dict[int, list[Struct]] = {}
         for outs in dry:
             if isinstance(outs[k], Lin):
                 for p, b in outs[k].blocks.items():
-                    b = _cast(b, dtype)
-                    templates[k][p] = add(templates[k][p], b) if p in templates[k] else b
-    zeros = [
-        {p: t.with_val(jnp.zeros(jnp.shape(t.val), t.dtype)) for p, t in templates[k].items()}
-        for k in range(n_out)
-    ]
+                    found.setdefault(p, []).append(b)
+        templates[k] = {p: join(bs, dtype) for p, bs in found.items()}
 
     def conformed(branch):
         def fn():
@@ -772,13 +1116,11 @@ def _cond_rule(ctx, eqn, vals):
                     flat.append(outs[k])
                     continue
                 blocks = outs[k].blocks if isinstance(outs[k], Lin) else {}
-                for p, zero in zeros[k].items():
+                for p, t in templates[k].items():
                     if p in blocks:
-                        b = add(_cast(blocks[p], zero.dtype), zero)
-                        assert b.structure_key() == zero.structure_key()
-                        flat.append(jnp.asarray(b.canonical().val, zero.dtype))
+                        flat.append(jnp.asarray(conform(blocks[p], t), t.dtype))
                     else:
-                        flat.append(zero.val)
+                        flat.append(jnp.zeros(jnp.shape(t.val), t.dtype))
             return flat
 
         return fn
@@ -791,6 +1133,6 @@ def _cond_rule(ctx, eqn, vals):
         if not linear[k]:
             results.append(next(it))
             continue
-        blocks = {p: zero.with_val(next(it)) for p, zero in zeros[k].items()}
+        blocks = {p: t.with_val(next(it)) for p, t in templates[k].items()}
         results.append(Lin(blocks, aval.shape, aval.dtype))
     return results

@@ -15,10 +15,23 @@ So `J[o, i] = val[...] * prod_L delta(o_L, i_L)`, the product over shared labels
 is a scalar `val` of one with every axis shared; a diagonal has `val` of the out shape with
 every axis shared; a dense block has every label in `val` and none shared.
 
+Deltas describe maps that keep each element in place. Maps that move elements (slices,
+padding, concatenation, reversal, reshapes that regroup a diagonal, gathers with known
+indices) and sums of them (stencils, block-diagonal systems) are described by an `Ell`: a
+row-compressed (ELLPACK) pattern known at trace time. A block with an `Ell` has no deltas;
+instead each out position `o` holds `S` entries `s`, entry `s` pointing at the flat index
+`tmap[s, o]` of the in axes `ell.in_axes`:
+
+    J[o, i] = sum_s val[..., s] * mask[s, o] * [ravel(i[in_axes]) == tmap[s, o]],
+
+with `val`'s entry axis labelled `BAND`. `tmap` and `mask` are NumPy arrays: the sparsity
+pattern is static, only `val` is traced. Entries outside `mask` hold zero in `val`.
+
 `val` may be a NumPy array: then it is known at trace time, and multiplying by a NumPy one
 is skipped, so that the Jacobian of `x -> A @ x` is `A` itself.
 """
 
+import hashlib
 import itertools
 import math
 from collections.abc import Sequence
@@ -30,6 +43,9 @@ import numpy as np
 
 _fresh_labels = itertools.count(1_000_000)
 
+BAND = -1
+"""The label of the entry axis of an `Ell` block's `val`."""
+
 
 def fresh_label() -> int:
     """A label not used by any canonical block (canonical labels are small integers)."""
@@ -39,6 +55,11 @@ def fresh_label() -> int:
 def is_unit(val) -> bool:
     """Whether `val` is a NumPy array of ones with no axes: multiplying by it is a no-op."""
     return isinstance(val, np.ndarray) and val.shape == () and bool(val == 1)
+
+
+def is_known(val) -> bool:
+    """Whether `val` is known at trace time (a NumPy array)."""
+    return isinstance(val, np.ndarray | np.generic)
 
 
 def place(arr, labels: Sequence[int], target: Sequence[int]):
@@ -56,6 +77,15 @@ def place(arr, labels: Sequence[int], target: Sequence[int]):
         shape[pos[a]] = arr.shape[order.index(a)]
     if tuple(shape) != tuple(arr.shape):
         arr = arr.reshape(shape)
+    return arr
+
+
+def expand(arr, labels: Sequence[int], target: Sequence[int], sizes: dict[int, int]):
+    """`arr` (axes labelled `labels`) broadcast to the full shape of `target`."""
+    full = tuple(sizes[label] for label in target)
+    arr = place(arr, labels, target)
+    if tuple(arr.shape) != full:
+        arr = np.broadcast_to(arr, full) if is_known(arr) else jnp.broadcast_to(arr, full)
     return arr
 
 
@@ -90,7 +120,11 @@ def contract(operands, keep: Sequence[int], sizes: dict[int, int]):
             result = placed if result is None else result * placed
         full = tuple(sizes[label] for label in out_labels)
         if tuple(result.shape) != full:
-            result = jnp.broadcast_to(result, full)
+            result = (
+                np.broadcast_to(result, full)
+                if is_known(result)
+                else jnp.broadcast_to(result, full)
+            )
         return result, out_labels
     if len(operands) == 1 and not repeated:
         arr, ls = operands[0]
@@ -114,6 +148,49 @@ def eye(n: int, dtype):
     return jnp.eye(n, dtype=dtype)
 
 
+def _digest(arr) -> str | None:
+    if arr is None:
+        return None
+    arr = np.ascontiguousarray(arr)
+    return hashlib.blake2b(arr.tobytes() + str(arr.shape).encode(), digest_size=16).hexdigest()
+
+
+class Ell:
+    """The static part of a row-compressed block: for each of `S` entries and each out
+    position, the flat index (over the in axes `in_axes`) the entry points at, and whether
+    the entry can be nonzero. Immutable; see the module docstring."""
+
+    __slots__ = ("tmap", "mask", "in_axes", "_key")
+
+    def __init__(self, tmap, mask, in_axes):
+        tmap = np.asarray(tmap)
+        if tmap.dtype != np.int32:
+            tmap = tmap.astype(np.int32)
+        if mask is not None:
+            mask = np.asarray(mask, dtype=bool)
+            if mask.all():
+                mask = None
+            else:
+                assert mask.shape == tmap.shape, (mask.shape, tmap.shape)
+        self.tmap = tmap
+        self.mask = mask
+        self.in_axes = tuple(in_axes)
+        self._key = None
+
+    @property
+    def S(self) -> int:
+        return self.tmap.shape[0]
+
+    def full_mask(self):
+        return np.ones(self.tmap.shape, bool) if self.mask is None else self.mask
+
+    @property
+    def key(self):
+        if self._key is None:
+            self._key = (self.in_axes, self.tmap.shape, _digest(self.tmap), _digest(self.mask))
+        return self._key
+
+
 @jax.tree_util.register_pytree_node_class
 class Struct:
     """One structured Jacobian block; see the module docstring. Immutable."""
@@ -125,15 +202,17 @@ class Struct:
         "in_labels",
         "out_shape",
         "in_shape",
+        "ell",
     )
 
-    def __init__(self, val, val_labels, out_labels, in_labels, out_shape, in_shape):
+    def __init__(self, val, val_labels, out_labels, in_labels, out_shape, in_shape, ell=None):
         self.val = val
         self.val_labels = tuple(val_labels)
         self.out_labels = tuple(out_labels)
         self.in_labels = tuple(in_labels)
         self.out_shape = tuple(out_shape)
         self.in_shape = tuple(in_shape)
+        self.ell = ell
 
     def tree_flatten(self):
         aux = (
@@ -142,6 +221,7 @@ class Struct:
             self.in_labels,
             self.out_shape,
             self.in_shape,
+            self.ell,
         )
         return (self.val,), aux
 
@@ -172,9 +252,11 @@ class Struct:
         )
 
     @classmethod
-    def build(cls, val, val_labels, out_labels, in_labels, out_shape, in_shape) -> "Struct":
+    def build(
+        cls, val, val_labels, out_labels, in_labels, out_shape, in_shape, ell=None
+    ) -> "Struct":
         """Construct, checking the invariants, then relabel canonically."""
-        out = cls(val, val_labels, out_labels, in_labels, out_shape, in_shape)
+        out = cls(val, val_labels, out_labels, in_labels, out_shape, in_shape, ell)
         out.check()
         return out.canonical()
 
@@ -203,9 +285,16 @@ class Struct:
             self.val_labels,
             sizes,
         )
-        for k, label in enumerate(self.out_labels):
-            if label in self.in_labels:
-                assert self.out_shape[k] == self.in_shape[self.in_labels.index(label)]
+        if self.ell is None:
+            assert BAND not in self.val_labels
+            for k, label in enumerate(self.out_labels):
+                if label in self.in_labels:
+                    assert self.out_shape[k] == self.in_shape[self.in_labels.index(label)]
+        else:
+            assert not set(self.out_labels) & set(self.in_labels)
+            assert self.ell.tmap.shape[1:] == self.out_shape, (self.ell.tmap.shape, self.out_shape)
+            for l in self.ell.in_axes:
+                assert self.in_labels[l] not in self.val_labels
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -213,6 +302,8 @@ class Struct:
     def sizes(self) -> dict[int, int]:
         sizes = dict(zip(self.out_labels, self.out_shape))
         sizes.update(zip(self.in_labels, self.in_shape))
+        if self.ell is not None:
+            sizes[BAND] = self.ell.S
         return sizes
 
     @property
@@ -228,12 +319,20 @@ class Struct:
             if label in self.in_labels
         }
 
+    @property
+    def group_shape(self) -> tuple[int, ...]:
+        """The shape of the in axes an `Ell` points into."""
+        assert self.ell is not None
+        return tuple(self.in_shape[l] for l in self.ell.in_axes)
+
     def canonical(self) -> "Struct":
         """The same block with labels renamed to a canonical form: out axis `k` is labelled
-        `k`; in axis `l` is labelled like its tied out axis, or `n_out + l`. Two blocks with
-        the same structure then have the same labels."""
+        `k`; in axis `l` is labelled like its tied out axis, or `n_out + l`; the entry axis
+        of an `Ell` keeps `BAND`. Two blocks with the same structure then have the same
+        labels."""
         n_out = len(self.out_labels)
         rename = {label: k for k, label in enumerate(self.out_labels)}
+        rename[BAND] = BAND
         for l, label in enumerate(self.in_labels):
             if label not in rename:
                 rename[label] = n_out + l
@@ -250,6 +349,7 @@ class Struct:
             tuple(rename[label] for label in self.in_labels),
             self.out_shape,
             self.in_shape,
+            self.ell,
         )
 
     def structure_key(self):
@@ -262,10 +362,14 @@ class Struct:
             c.out_shape,
             c.in_shape,
             c.val.dtype,
+            None if c.ell is None else c.ell.key,
         )
 
     def kind(self) -> str:
-        """`"identity"`, `"scaled_identity"`, `"diagonal"`, `"dense"` or `"structured"`."""
+        """`"identity"`, `"scaled_identity"`, `"diagonal"`, `"dense"`, `"sparse"` (a
+        row-compressed pattern; see `describe`) or `"structured"`."""
+        if self.ell is not None:
+            return "sparse"
         ties = self.ties
         if (
             self.out_shape == self.in_shape
@@ -281,6 +385,16 @@ class Struct:
             return "dense"
         return "structured"
 
+    def stored_size(self) -> int:
+        """How many numbers `val` holds (the static pattern of an `Ell` is not counted)."""
+        return int(np.prod(np.shape(self.val), dtype=np.int64))
+
+    def describe(self) -> str:
+        """A short description of the block's structure and storage, for reports."""
+        from ._sparsity import describe
+
+        return describe(self)
+
     # ---- elementary transformations ---------------------------------------------------
 
     def with_val(self, val) -> "Struct":
@@ -291,6 +405,7 @@ class Struct:
             self.in_labels,
             self.out_shape,
             self.in_shape,
+            self.ell,
         )
 
     def map_val(self, fn) -> "Struct":
@@ -299,12 +414,15 @@ class Struct:
     def astype(self, dtype) -> "Struct":
         if self.val.dtype == dtype:
             return self
-        if isinstance(self.val, np.ndarray):
-            return self.with_val(self.val.astype(dtype))
         return self.with_val(self.val.astype(dtype))
 
     def transpose_io(self) -> "Struct":
-        """The block of the transposed map: out and in swapped. Free."""
+        """The block of the transposed map: out and in swapped. Free without an `Ell`; an
+        `Ell` is transposed at trace time."""
+        if self.ell is not None:
+            from ._sparsity import ell_transpose
+
+            return ell_transpose(self)
         return Struct(
             self.val,
             self.val_labels,
@@ -337,13 +455,13 @@ class Struct:
             val, val_labels, out_labels, self.in_labels, self.out_shape, self.in_shape
         )
 
-    def _broadcast_label(self, label) -> "Struct":
-        sizes = self.sizes
-        val_labels = self.val_labels + (label,)
-        val = jnp.broadcast_to(
-            place(self.val, self.val_labels, val_labels),
-            tuple(sizes[lb] for lb in val_labels),
-        )
+    def broadcast_labels(self, labels) -> "Struct":
+        """The same block with `val` broadcast to also carry `labels`."""
+        labels = [label for label in labels if label not in self.val_labels]
+        if not labels:
+            return self
+        val_labels = self.val_labels + tuple(labels)
+        val = expand(self.val, self.val_labels, val_labels, self.sizes)
         return Struct.build(
             val,
             val_labels,
@@ -351,6 +469,7 @@ class Struct:
             self.in_labels,
             self.out_shape,
             self.in_shape,
+            self.ell,
         )
 
     def densify_out(self, axes: Sequence[int] | None = None) -> "Struct":
@@ -362,15 +481,58 @@ class Struct:
             if out.out_labels[k] in out.in_labels:
                 out = out.untie_out(k)
             if out.out_labels[k] not in out.val_labels:
-                out = out._broadcast_label(out.out_labels[k])
+                out = out.broadcast_labels([out.out_labels[k]])
         return out
+
+    def to_ell(self) -> "Struct":
+        """The same block with its deltas moved into an `Ell` of one entry per out position
+        (an `Ell` block is returned as it is)."""
+        if self.ell is not None:
+            return self
+        ties = self.ties
+        in_axes = tuple(sorted(ties.values()))
+        out_of = {l: k for k, l in ties.items()}
+        tmap = np.zeros((1,) + self.out_shape, np.int32)
+        stride = 1
+        for l in reversed(in_axes):
+            k = out_of[l]
+            shape = [1] * (1 + len(self.out_shape))
+            shape[1 + k] = self.out_shape[k]
+            tmap = tmap + np.arange(self.out_shape[k], dtype=np.int32).reshape(shape) * stride
+            stride *= self.in_shape[l]
+        in_labels = list(self.in_labels)
+        for l in in_axes:
+            in_labels[l] = fresh_label()
+        return Struct.build(
+            self.val,
+            self.val_labels,
+            self.out_labels,
+            in_labels,
+            self.out_shape,
+            self.in_shape,
+            Ell(tmap, None, in_axes),
+        )
+
+    def ell_to_plain(self) -> "Struct":
+        """The same block without an `Ell`: the in axes the `Ell` points into become dense
+        axes of `val`. Exact; costs what a dense block costs."""
+        if self.ell is None:
+            return self
+        from ._sparsity import ell_to_plain
+
+        return ell_to_plain(self)
 
     def diagonal(self):
         """The diagonal `J[o, o]` of a block whose out and in shapes are equal, as an array
         of that shape. Free for a block that is a delta along every axis (identity, scaled
-        identity, diagonal); otherwise read off the dense block."""
+        identity, diagonal); read off the pattern for an `Ell`; otherwise read off the
+        dense block."""
         assert self.out_shape == self.in_shape
         c = self.canonical()
+        if c.ell is not None:
+            from ._sparsity import ell_diagonal
+
+            return ell_diagonal(c)
         if all(c.in_labels[k] == c.out_labels[k] for k in range(len(c.out_shape))):
             val = jnp.asarray(c.val)
             return jnp.broadcast_to(place(val, c.val_labels, c.out_labels), c.out_shape)
@@ -384,6 +546,8 @@ class Struct:
         Built from `val` by broadcasting and multiplying by identity factors: no
         `dot_general`. Where the block is already dense this is a transpose at most.
         """
+        if self.ell is not None:
+            return self.ell_to_plain().to_dense()
         sizes = self.sizes
         in_labels = list(self.in_labels)
         operands = [(self.val, self.val_labels)]
@@ -400,16 +564,8 @@ class Struct:
         return jnp.broadcast_to(place(val, labels, target), full)
 
 
-def add(a: Struct, b: Struct) -> Struct:
-    """The sum of two blocks of the same shapes, keeping the structure they share."""
-    assert a.out_shape == b.out_shape and a.in_shape == b.in_shape
-    ta, tb = a.ties, b.ties
-    for k in set(ta) | set(tb):
-        if ta.get(k) != tb.get(k):
-            if k in ta:
-                a = a.untie_out(k)
-            if k in tb:
-                b = b.untie_out(k)
+def _plain_add(a: Struct, b: Struct) -> Struct:
+    """The sum of two blocks without an `Ell` and with the same ties."""
     a = a.canonical()
     b = b.canonical()
     labels = tuple(sorted(set(a.val_labels) | set(b.val_labels)))
@@ -419,5 +575,16 @@ def add(a: Struct, b: Struct) -> Struct:
         val = place(a.val, a.val_labels, labels) + place(b.val, b.val_labels, labels)
         full = tuple(a.sizes[label] for label in labels)
         if tuple(val.shape) != full:
-            val = jnp.broadcast_to(val, full)
+            val = np.broadcast_to(val, full) if is_known(val) else jnp.broadcast_to(val, full)
     return Struct(val, labels, a.out_labels, a.in_labels, a.out_shape, a.in_shape)
+
+
+def add(a: Struct, b: Struct) -> Struct:
+    """The sum of two blocks of the same shapes, keeping the structure they share."""
+    assert a.out_shape == b.out_shape and a.in_shape == b.in_shape
+    from ._sparsity import common_form, ell_concat_entries, simplify
+
+    a, b = common_form([a, b])
+    if a.ell is None:
+        return _plain_add(a, b)
+    return simplify(ell_concat_entries([a, b]))

@@ -263,6 +263,7 @@ def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]
                 d = dblocks[q * n_c + p][r]
                 if d is None:
                     continue
+                d = d.ell_to_plain()
                 m_rp = matrix[r * n_c + p]
                 y_labels = d.out_labels[:nq]
                 c_labels = d.out_labels[nq:]

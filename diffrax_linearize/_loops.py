@@ -1,0 +1,335 @@
+"""Structure rules for loops: `scan` and `while`.
+
+A loop keeps structure when the structure of its linear carries reaches a fixed point: the
+body is interpreted abstractly (inside `jax.eval_shape`, so nothing is computed) on the
+carries' current structure, the structure it returns is joined with it, and this repeats
+until nothing changes, as JAX's batching does for the batch dimensions of `scan` carries.
+Then the loop runs once, for real, with the carries' values in that structure. A loop whose
+carries' row-compressed patterns keep growing (a stencil applied again and again widens its
+band) is widened: those carries are made dense over their patterns' in axes, after which the
+structure always settles. A `scan` without linear carries is a map over its inputs and is
+interpreted as the `jax.vmap` of its body."""
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+
+from ._compat import bind_eqn, prim
+from ._interpreter import Context, dense_fallback, eval_jaxpr, interpret, Lin, register_rule
+from ._rules import conform, join
+from ._structure import Ell, fresh_label, Struct
+
+
+_MAX_ITERATIONS = 8
+
+
+def _key(templates):
+    return tuple(
+        None if t is None else tuple((p, b.structure_key()) for p, b in sorted(t.items()))
+        for t in templates
+    )
+
+
+def _rebuild(templates, avals, flat):
+    """Carries from their templates (`None`: a constant carry) and flat values."""
+    it = iter(flat)
+    out = []
+    for t, aval in zip(templates, avals):
+        if t is None:
+            out.append(next(it))
+        else:
+            blocks = {p: b.with_val(next(it)) for p, b in sorted(t.items())}
+            out.append(Lin(blocks, aval.shape, aval.dtype))
+    return out
+
+
+def _flatten(templates, values):
+    """Flat values of carries written in their templates' structure."""
+    flat = []
+    for t, x in zip(templates, values):
+        if t is None:
+            flat.append(x)
+            continue
+        blocks = x.blocks if isinstance(x, Lin) else {}
+        for p, b in sorted(t.items()):
+            if p in blocks:
+                flat.append(jnp.asarray(conform(blocks[p], b), b.dtype))
+            else:
+                flat.append(jnp.zeros(np.shape(b.val), b.dtype))
+    return flat
+
+
+def _placeholders(templates, avals):
+    flat = []
+    for t, aval in zip(templates, avals):
+        if t is None:
+            flat.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+        else:
+            for _, b in sorted(t.items()):
+                flat.append(jax.ShapeDtypeStruct(np.shape(b.val), b.dtype))
+    return flat
+
+
+def _initial_templates(values, avals):
+    templates = []
+    for x, aval in zip(values, avals):
+        if isinstance(x, Lin):
+            templates.append({p: join([_abstract(b)], aval.dtype) for p, b in x.blocks.items()})
+        else:
+            templates.append(None)
+    return templates
+
+
+def _widen(templates):
+    return [
+        None if t is None else {p: b.ell_to_plain().canonical() for p, b in t.items()}
+        for t in templates
+    ]
+
+
+def _fixed_point(templates, avals, step):
+    """Iterate `templates -> join(templates, step(templates))` to a fixed point, widening
+    once if it does not settle. `step` returns the carries' structures after one iteration
+    (a list of `{leaf: block}` or `None` per carry). Returns `None` if no fixed point."""
+    for widened in (False, True):
+        if widened:
+            templates = _widen(templates)
+        for _ in range(_MAX_ITERATIONS):
+            outs = step(templates)
+            new = []
+            for t, o, aval in zip(templates, outs, avals):
+                if t is None and o is None:
+                    new.append(None)
+                    continue
+                t = t or {}
+                o = o or {}
+                joined = {}
+                for p in sorted(set(t) | set(o)):
+                    bs = [b for b in (t.get(p), o.get(p)) if b is not None]
+                    joined[p] = join(bs, aval.dtype)
+                new.append(joined)
+            if widened:
+                new = _widen(new)
+            if _key(new) == _key(templates):
+                return templates
+            templates = new
+    return None
+
+
+def _abstract(b: Struct) -> Struct:
+    """`b` with zeros (known, and free to hold: a broadcast NumPy scalar) for `val`: a
+    structure, with no values that belong to any trace."""
+    return b.with_val(np.broadcast_to(np.zeros((), b.dtype), np.shape(b.val)))
+
+
+def _structures(outs):
+    """The structures of a body's outputs: per output `{leaf: block}` or `None`."""
+    return [
+        {p: _abstract(b) for p, b in x.blocks.items()} if isinstance(x, Lin) else None for x in outs
+    ]
+
+
+# ---- scan ---------------------------------------------------------------------------------
+
+
+def _xs_slice(x: Lin):
+    """The per-iteration blocks of a linear `scan` input (out axis 0 is the scanned one),
+    and where their values come from: `("scan", array)` (scanned along its axis 0) or
+    `("const", array)` (the same every iteration). The scanned axis must be dense in `val`,
+    or constant; a delta on it, or a pattern that varies along it, is made dense."""
+    blocks, sources = {}, {}
+    for p, b in sorted(x.blocks.items()):
+        if b.ell is not None:
+            tmap, mask = b.ell.tmap, b.ell.full_mask()
+            if not ((tmap == tmap[:, :1]).all() and (mask == mask[:, :1]).all()):
+                b = b.ell_to_plain()
+        if b.ell is None and b.out_labels[0] in b.in_labels:
+            b = b.untie_out(0)
+        b = b.canonical()
+        label = b.out_labels[0]
+        ell = None
+        if b.ell is not None:
+            ell = Ell(b.ell.tmap[:, 0], b.ell.full_mask()[:, 0], b.ell.in_axes)
+        if label in b.val_labels:
+            a = b.val_labels.index(label)
+            scanned = jnp.moveaxis(jnp.asarray(b.val), a, 0)
+            sources[p] = ("scan", scanned)
+            val = scanned[0]
+        else:
+            sources[p] = ("const", b.val)
+            val = b.val
+        val_labels = [lb for lb in b.val_labels if lb != label]
+        blocks[p] = Struct.build(
+            val, val_labels, b.out_labels[1:], b.in_labels, b.out_shape[1:], b.in_shape, ell
+        )
+    return blocks, sources
+
+
+@register_rule(prim("scan"))
+def _scan_rule(ctx: Context, eqn, vals):
+    params = eqn.params
+    nc, nk = params["num_consts"], params["num_carry"]
+    body = params["jaxpr"]
+    consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
+    length, reverse = params["length"], params["reverse"]
+    carry_avals = [v.aval for v in eqn.outvars[:nk]]
+    ys_avals = [v.aval for v in eqn.outvars[nk:]]
+    if nk == 0:
+        return _scan_as_map(ctx, body, consts, xs)
+    # The inputs, per iteration: constants as they are; linear ones as blocks whose
+    # values are scanned (or constant).
+    x_templates, sources = [], []
+    for x in xs:
+        if isinstance(x, Lin):
+            blocks, src = _xs_slice(x)
+            x_templates.append(blocks)
+            sources.extend(src[p] for p in sorted(src))
+        else:
+            x_templates.append(None)
+            sources.append(("scan", x))
+    x_avals = [jax.ShapeDtypeStruct(v.aval.shape[1:], v.aval.dtype) for v in eqn.invars[nc + nk :]]
+    probe_ctx = Context(in_shapes=ctx.in_shapes)
+    ys_structures = []
+
+    def step(templates):
+        found = []
+
+        def run(flat_c, flat_x):
+            carries = _rebuild(templates, carry_avals, flat_c)
+            x_t = _rebuild(x_templates, x_avals, flat_x)
+            found.append(interpret(probe_ctx, body.jaxpr, body.consts, consts + carries + x_t))
+            return [0.0]
+
+        jax.eval_shape(
+            run, _placeholders(templates, carry_avals), _placeholders(x_templates, x_avals)
+        )
+        outs = found[0]
+        ys_structures[:] = [_structures(outs[nk:])]
+        return _structures(outs[:nk])
+
+    templates = _fixed_point(_initial_templates(init, carry_avals), carry_avals, step)
+    if templates is None:
+        return dense_fallback(ctx, eqn, vals)
+    step(templates)  # the outputs' structures for the fixed-point carries
+    ys_templates = [
+        None if s is None else {p: join([b], aval.dtype) for p, b in s.items()}
+        for s, aval in zip(ys_structures[0], ys_avals)
+    ]
+    scanned = [v for kind, v in sources if kind == "scan"]
+
+    def body_fn(carry, xs_t):
+        it = iter(xs_t)
+        flat_x = [next(it) if kind == "scan" else v for kind, v in sources]
+        carries = _rebuild(templates, carry_avals, carry)
+        x_t = _rebuild(x_templates, x_avals, flat_x)
+        outs = interpret(ctx, body.jaxpr, body.consts, consts + carries + x_t)
+        return _flatten(templates, outs[:nk]), _flatten(ys_templates, outs[nk:])
+
+    final, ys = lax.scan(
+        body_fn,
+        _flatten(templates, init),
+        scanned,
+        length=length,
+        reverse=reverse,
+        unroll=params.get("unroll", 1),
+    )
+    outs = list(_rebuild(templates, carry_avals, final))
+    it = iter(ys)
+    for t, aval in zip(ys_templates, ys_avals):
+        if t is None:
+            outs.append(next(it))
+            continue
+        blocks = {p: _stacked(b, next(it), length) for p, b in sorted(t.items())}
+        outs.append(Lin(blocks, aval.shape, aval.dtype))
+    return outs
+
+
+def _stacked(b: Struct, val, length: int) -> Struct:
+    """The block of a `scan` output stacked along a new leading out axis."""
+    label = fresh_label()
+    ell = None
+    if b.ell is not None:
+        S = b.ell.S
+        tmap = np.broadcast_to(b.ell.tmap[:, None], (S, length) + b.out_shape)
+        mask = np.broadcast_to(b.ell.full_mask()[:, None], (S, length) + b.out_shape)
+        ell = Ell(tmap, mask, b.ell.in_axes)
+    return Struct.build(
+        val,
+        (label,) + b.val_labels,
+        (label,) + b.out_labels,
+        b.in_labels,
+        (length,) + b.out_shape,
+        b.in_shape,
+        ell,
+    )
+
+
+def _scan_as_map(ctx, body, consts, xs):
+    """A `scan` without carries: its outputs are its body mapped over the inputs."""
+
+    def mapped(*args):
+        c, x = args[: len(consts)], args[len(consts) :]
+
+        def one(*x_t):
+            return eval_jaxpr(body.jaxpr, body.consts, list(c) + list(x_t), bind_eqn)
+
+        return jax.vmap(one)(*x)
+
+    avals = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if isinstance(x, Lin)
+        else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+        for x in list(consts) + list(xs)
+    ]
+    closed = jax.make_jaxpr(mapped)(*avals)
+    return interpret(ctx, closed.jaxpr, closed.consts, list(consts) + list(xs))
+
+
+# ---- while ----------------------------------------------------------------------------------
+
+
+@register_rule(prim("while"))
+def _while_rule(ctx: Context, eqn, vals):
+    params = eqn.params
+    cn, bn = params["cond_nconsts"], params["body_nconsts"]
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    cond_consts, body_consts, init = vals[:cn], vals[cn : cn + bn], vals[cn + bn :]
+    if any(isinstance(x, Lin) for x in cond_consts):
+        return NotImplemented
+    avals = [v.aval for v in eqn.outvars]
+    probe_ctx = Context(in_shapes=ctx.in_shapes)
+
+    def step(templates):
+        found = []
+
+        def run(flat):
+            carries = _rebuild(templates, avals, flat)
+            found.append(interpret(probe_ctx, body.jaxpr, body.consts, body_consts + carries))
+            return [0.0]
+
+        jax.eval_shape(run, _placeholders(templates, avals))
+        return _structures(found[0])
+
+    templates = _fixed_point(_initial_templates(init, avals), avals, step)
+    if templates is None:
+        return dense_fallback(ctx, eqn, vals)
+
+    def constants(flat):
+        """The carries with zeros for the linear ones: the predicate does not use them."""
+        carries = _rebuild(templates, avals, flat)
+        return [
+            jnp.zeros(a.shape, a.dtype) if isinstance(c, Lin) else c for c, a in zip(carries, avals)
+        ]
+
+    def cond_fn(flat):
+        (pred,) = eval_jaxpr(cond.jaxpr, cond.consts, list(cond_consts) + constants(flat), bind_eqn)
+        return pred
+
+    def body_fn(flat):
+        carries = _rebuild(templates, avals, flat)
+        outs = interpret(ctx, body.jaxpr, body.consts, body_consts + carries)
+        return _flatten(templates, outs)
+
+    final = lax.while_loop(cond_fn, body_fn, _flatten(templates, init))
+    return _rebuild(templates, avals, final)

@@ -1,0 +1,669 @@
+"""Row-compressed (`Ell`) blocks: their algebra, and what their static pattern says.
+
+Every function here is exact. The pattern (`Ell.tmap`, `Ell.mask`) is NumPy, computed at
+trace time; only `val` is traced, and work on it is slicing, padding, gathering with static
+indices and elementwise arithmetic, never a product with a basis.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._structure import BAND, Ell, expand, fresh_label, is_known, place, Struct
+
+
+# ---- NumPy or JAX -----------------------------------------------------------------------
+
+
+def _xp(*arrays):
+    return np if all(is_known(a) for a in arrays) else jnp
+
+
+def eval_known(fn, *args):
+    """`fn(*args)` evaluated at trace time on known (NumPy) arguments, as NumPy."""
+    with jax.ensure_compile_time_eval():
+        out = fn(*args)
+    return jax.tree_util.tree_map(np.asarray, out)
+
+
+def apply_known_or_traced(fn, arr, *args):
+    """`fn(arr, *args)`, at trace time (a NumPy result) when `arr` is NumPy."""
+    if is_known(arr):
+        return eval_known(fn, arr, *args)
+    return fn(arr, *args)
+
+
+# ---- common forms -----------------------------------------------------------------------
+
+
+def _categories(b: Struct) -> list[str]:
+    """Per in axis: "G" (in the `Ell`), "T" (a delta), "D" (dense in `val`), "B" (broadcast)."""
+    cats = []
+    for l, label in enumerate(b.in_labels):
+        if b.ell is not None and l in b.ell.in_axes:
+            cats.append("G")
+        elif b.ell is None and label in b.out_labels:
+            cats.append("T")
+        elif label in b.val_labels:
+            cats.append("D")
+        else:
+            cats.append("B")
+    return cats
+
+
+def common_form(blocks: Sequence[Struct], force_ell: bool = False) -> list[Struct]:
+    """The blocks (same in shape) brought to one form: either all without an `Ell` with the
+    same deltas (only if their out shapes agree and `force_ell` is false), or all with an
+    `Ell` over the same in axes. An in axis that is dense in one block and a delta (or in an
+    `Ell`) in another becomes dense in all of them, as their sum would be."""
+    blocks = [b.canonical() for b in blocks]
+    n_in = len(blocks[0].in_shape)
+    while True:
+        cats = [_categories(b) for b in blocks]
+        changed = False
+        for l in range(n_in):
+            cs = [c[l] for c in cats]
+            if all(c == "B" for c in cs):
+                continue
+            if any(c in "TG" for c in cs) and any(c in "DB" for c in cs):
+                for i, c in enumerate(cs):
+                    if c == "T":
+                        k = blocks[i].out_labels.index(blocks[i].in_labels[l])
+                        blocks[i] = blocks[i].untie_out(k)
+                        changed = True
+                    elif c == "G":
+                        blocks[i] = blocks[i].ell_to_plain().canonical()
+                        changed = True
+                break
+        if not changed:
+            break
+    if not force_ell and all(b.ell is None for b in blocks):
+        ties = blocks[0].ties
+        if all(b.ties == ties and b.out_shape == blocks[0].out_shape for b in blocks):
+            return blocks
+    return [b.to_ell() for b in blocks]
+
+
+def _band_val(b: Struct, labels: Sequence[int]):
+    """`b.val` broadcast to carry `labels` (which include `BAND`), in that order."""
+    return expand(b.val, b.val_labels, labels, b.sizes)
+
+
+def ell_concat_entries(blocks: Sequence[Struct]) -> Struct:
+    """The sum of `Ell` blocks over the same in axes: their entries side by side."""
+    labels = sorted({label for b in blocks for label in b.val_labels} | {BAND})
+    dtype = jnp.result_type(*[b.val.dtype for b in blocks])
+    vals = [_band_val(b, labels) for b in blocks]
+    axis = labels.index(BAND)
+    xp = _xp(*vals)
+    val = xp.concatenate([v.astype(dtype) for v in vals], axis=axis)
+    tmap = np.concatenate([b.ell.tmap for b in blocks])
+    mask = np.concatenate([b.ell.full_mask() for b in blocks])
+    b0 = blocks[0]
+    return Struct.build(
+        val,
+        labels,
+        b0.out_labels,
+        b0.in_labels,
+        b0.out_shape,
+        b0.in_shape,
+        Ell(tmap, mask, b0.ell.in_axes),
+    )
+
+
+def pad_entries(b: Struct, S: int) -> Struct:
+    """An `Ell` block with masked-out entries appended up to `S` entries."""
+    extra = S - b.ell.S
+    if extra == 0:
+        return b
+    b = b.broadcast_labels([BAND])
+    axis = b.val_labels.index(BAND)
+    xp = _xp(b.val)
+    pad = [(0, 0)] * b.val.ndim
+    pad[axis] = (0, extra)
+    val = xp.pad(b.val, pad)
+    tpad = [(0, extra)] + [(0, 0)] * len(b.out_shape)
+    tmap = np.pad(b.ell.tmap, tpad)
+    mask = np.pad(b.ell.full_mask(), tpad)
+    return Struct.build(
+        val,
+        b.val_labels,
+        b.out_labels,
+        b.in_labels,
+        b.out_shape,
+        b.in_shape,
+        Ell(tmap, mask, b.ell.in_axes),
+    )
+
+
+def stack_rows(blocks: Sequence[Struct]):
+    """The rows (flattened out positions) of `Ell` blocks over the same in axes, one block
+    after the other, with a common number of entries `S` and a common set of dense in axes.
+
+    **Returns:** `(val, tmap, mask, dense_axes)`: `val` of shape `(rows, S) + dense shape`,
+    `tmap` and `mask` of shape `(S, rows)`, `dense_axes` the in axes `val` carries after
+    the entry axis."""
+    S = max(b.ell.S for b in blocks)
+    blocks = [pad_entries(b.canonical(), S) for b in blocks]
+    dense_axes = sorted(
+        {l for b in blocks for l, label in enumerate(b.in_labels) if label in b.val_labels}
+    )
+    in_shape = blocks[0].in_shape
+    dtype = jnp.result_type(*[b.val.dtype for b in blocks])
+    vals, tmaps, masks = [], [], []
+    for b in blocks:
+        labels = list(b.out_labels) + [BAND] + [b.in_labels[l] for l in dense_axes]
+        v = expand(b.val, b.val_labels, labels, b.sizes).astype(dtype)
+        rows = math.prod(b.out_shape)
+        vals.append(v.reshape((rows, S) + tuple(in_shape[l] for l in dense_axes)))
+        tmaps.append(b.ell.tmap.reshape(S, rows))
+        masks.append(b.ell.full_mask().reshape(S, rows))
+    xp = _xp(*vals)
+    val = vals[0] if len(vals) == 1 else xp.concatenate(vals)
+    return val, np.concatenate(tmaps, axis=1), np.concatenate(masks, axis=1), dense_axes
+
+
+# ---- simplification -----------------------------------------------------------------------
+
+
+def _merge_entries(b: Struct, groups: list[list[int]]) -> Struct:
+    """Merge the entries of each group into one (their targets agree wherever two of them
+    are unmasked): `val`s summed, masks joined."""
+    ell = b.ell
+    mask = ell.full_mask()
+    tmap = []
+    new_mask = []
+    for g in groups:
+        t = ell.tmap[g[0]].copy()
+        m = mask[g[0]].copy()
+        for s in g[1:]:
+            t = np.where(mask[s], ell.tmap[s], t)
+            m = m | mask[s]
+        tmap.append(t)
+        new_mask.append(m)
+    tmap = np.stack(tmap)
+    new_mask = np.stack(new_mask)
+    if BAND in b.val_labels:
+        axis = b.val_labels.index(BAND)
+        xp = _xp(b.val)
+        pieces = []
+        for g in groups:
+            if len(g) == 1:
+                piece = xp.take(b.val, g[0], axis=axis)
+            else:
+                piece = xp.take(b.val, np.asarray(g), axis=axis).sum(axis=axis)
+            pieces.append(piece)
+        val = xp.stack(pieces, axis=axis)
+        val_labels = b.val_labels
+    else:
+        counts = np.asarray([len(g) for g in groups])
+        if (counts == 1).all():
+            val, val_labels = b.val, b.val_labels
+        elif (counts == counts[0]).all():
+            val, val_labels = b.val * np.asarray(counts[0], b.val.dtype), b.val_labels
+        else:
+            val_labels = b.val_labels + (BAND,)
+            c = counts.astype(b.val.dtype).reshape((1,) * b.val.ndim + (len(groups),))
+            val = b.val[..., None] * c
+    return Struct.build(
+        val,
+        val_labels,
+        b.out_labels,
+        b.in_labels,
+        b.out_shape,
+        b.in_shape,
+        Ell(tmap, new_mask, ell.in_axes),
+    )
+
+
+def _entry_groups(ell: Ell) -> list[list[int]]:
+    """Groups of entries that can be merged: exact duplicates, then (greedily) entries whose
+    masks leave them never pointing at different targets in the same row. Entries masked
+    out everywhere are dropped (an empty list if all are)."""
+    mask = ell.full_mask()
+    S = ell.S
+    flat_t = ell.tmap.reshape(S, -1)
+    flat_m = mask.reshape(S, -1)
+    live = [s for s in range(S) if flat_m[s].any()]
+    if not live:
+        return []
+    keys = np.where(flat_m[live], flat_t[live], -1)
+    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    inverse = np.asarray(inverse).reshape(-1)
+    groups: dict[int, list[int]] = {}
+    for j, s in enumerate(live):
+        groups.setdefault(int(inverse[j]), []).append(s)
+    groups = sorted(groups.values(), key=lambda g: g[0])
+    full = [g for g in groups if flat_m[g[0]].all()]
+    partial = [g for g in groups if not flat_m[g[0]].all()]
+    merged: list[tuple[list[int], np.ndarray, np.ndarray]] = []
+    for g in partial:
+        t, m = flat_t[g[0]], flat_m[g[0]]
+        for entry in merged:
+            et, em = entry[1], entry[2]
+            both = m & em
+            if not (both & (t != et)).any():
+                entry[0].extend(g)
+                entry[1][:] = np.where(m, t, et)
+                entry[2][:] = m | em
+                break
+        else:
+            merged.append((list(g), t.copy(), m.copy()))
+    out = full + [e[0] for e in merged]
+    return sorted(out, key=lambda g: g[0])
+
+
+def zero_block(b: Struct) -> Struct:
+    """The zero block of `b`'s shapes, as an `Ell` with one masked-out entry."""
+    tmap = np.zeros((1,) + b.out_shape, np.int32)
+    return Struct(
+        np.zeros((), b.val.dtype),
+        (),
+        b.out_labels,
+        b.in_labels,
+        b.out_shape,
+        b.in_shape,
+        Ell(tmap, np.zeros(tmap.shape, bool), b.ell.in_axes if b.ell is not None else ()),
+    ).canonical()
+
+
+def simplify(b: Struct) -> Struct:
+    """An equivalent block with fewer `Ell` entries: duplicates merged, entries that are
+    never live dropped, dense when the entries cover most of the in axes, and back to
+    deltas when the pattern is one."""
+    if b.ell is None:
+        return b
+    b = b.canonical()
+    groups = _entry_groups(b.ell)
+    if not groups:
+        return zero_block(b)
+    if len(groups) != b.ell.S or any(len(g) > 1 for g in groups):
+        b = _merge_entries(b, groups)
+    n_group = math.prod(b.group_shape)
+    if b.ell.S > 1 and 2 * b.ell.S > n_group:
+        return b.ell_to_plain()
+    return as_deltas(b)
+
+
+def as_deltas(b: Struct) -> Struct:
+    """The block without its `Ell` if the `Ell` is a set of deltas (one live entry per out
+    position, each in axis following one out axis); otherwise `b` itself."""
+    ell = b.ell
+    if ell is None or ell.S != 1 or ell.mask is not None:
+        return b
+    gshape = b.group_shape
+    coords = np.unravel_index(ell.tmap[0], gshape) if gshape else ()
+    used = set()
+    tie = {}
+    for j, l in enumerate(ell.in_axes):
+        c = coords[j]
+        for k, n in enumerate(b.out_shape):
+            if k in used or n != b.in_shape[l]:
+                continue
+            shape = [1] * len(b.out_shape)
+            shape[k] = n
+            if np.array_equal(c, np.broadcast_to(np.arange(n).reshape(shape), c.shape)):
+                tie[l] = k
+                used.add(k)
+                break
+        else:
+            return b
+    in_labels = list(b.in_labels)
+    for l, k in tie.items():
+        in_labels[l] = b.out_labels[k]
+    val, val_labels = b.val, list(b.val_labels)
+    if BAND in val_labels:
+        a = val_labels.index(BAND)
+        val = val.reshape(val.shape[:a] + val.shape[a + 1 :])
+        del val_labels[a]
+    return Struct.build(val, val_labels, b.out_labels, in_labels, b.out_shape, b.in_shape)
+
+
+# ---- conversions ----------------------------------------------------------------------------
+
+
+def ell_to_plain(b: Struct) -> Struct:
+    b = b.canonical()
+    ell = b.ell
+    n_out = len(b.out_shape)
+    gshape = b.group_shape
+    n_group = math.prod(gshape)
+    rest = [label for label in b.val_labels if label not in b.out_labels and label != BAND]
+    labels = list(b.out_labels) + [BAND] + rest
+    sizes = b.sizes
+    val = _band_val(b, labels)
+    n_rows = math.prod(b.out_shape)
+    rest_shape = tuple(sizes[label] for label in rest)
+    S = ell.S
+    val = val.reshape((n_rows, S) + rest_shape)
+    cols = np.moveaxis(ell.tmap, 0, -1).reshape(n_rows, S)
+    rows = np.broadcast_to(np.arange(n_rows)[:, None], (n_rows, S))
+    if ell.mask is not None:
+        live = np.moveaxis(ell.mask, 0, -1).reshape(n_rows, S)
+        rows, cols = rows[live], cols[live]
+        val = val[live] if is_known(val) else val[np.nonzero(live)]
+    else:
+        rows, cols = rows.reshape(-1), cols.reshape(-1)
+        val = val.reshape((n_rows * S,) + rest_shape)
+    shape = (n_rows, n_group) + rest_shape
+    if is_known(val):
+        dense = np.zeros(shape, val.dtype)
+        np.add.at(dense, (rows, cols), val)
+    else:
+        dense = jnp.zeros(shape, val.dtype).at[rows, cols].add(val)
+    dense = dense.reshape(b.out_shape + gshape + rest_shape)
+    group_labels = [b.in_labels[l] for l in ell.in_axes]
+    val_labels = list(b.out_labels) + group_labels + rest
+    del n_out
+    return Struct.build(dense, val_labels, b.out_labels, b.in_labels, b.out_shape, b.in_shape)
+
+
+def ell_diagonal(b: Struct):
+    """`J[o, o]` of a canonical `Ell` block with equal out and in shapes."""
+    ell = b.ell
+    if ell.in_axes != tuple(range(len(b.in_shape))):
+        return b.ell_to_plain().diagonal()
+    labels = list(b.out_labels) + [BAND]
+    val = jnp.asarray(_band_val(b, labels))
+    flat = np.arange(math.prod(b.out_shape)).reshape(b.out_shape)
+    hit = (ell.tmap == flat[None]) & ell.full_mask()
+    hit = np.moveaxis(hit, 0, -1)
+    return jnp.where(hit, val, 0).sum(axis=-1)
+
+
+def ell_transpose(b: Struct) -> Struct:
+    """The transposed block, row-compressed again (entries regrouped at trace time)."""
+    b = b.canonical()
+    ell = b.ell
+    n_out = len(b.out_shape)
+    out_rows = math.prod(b.out_shape)
+    gshape = b.group_shape
+    n_group = math.prod(gshape)
+    S = ell.S
+    flat_t = np.moveaxis(ell.tmap, 0, -1).reshape(out_rows * S)
+    flat_m = np.moveaxis(ell.full_mask(), 0, -1).reshape(out_rows * S)
+    live = np.flatnonzero(flat_m)
+    targets = flat_t[live]
+    order = np.argsort(targets, kind="stable")
+    live, targets = live[order], targets[order]
+    counts = np.bincount(targets, minlength=n_group)
+    C = max(1, int(counts.max(initial=0)))
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    pos = np.arange(len(live)) - starts[targets]
+    src = np.zeros((n_group, C), np.int64)
+    valid = np.zeros((n_group, C), bool)
+    src[targets, pos] = live
+    valid[targets, pos] = True
+    rest = [label for label in b.val_labels if label not in b.out_labels and label != BAND]
+    sizes = b.sizes
+    rest_shape = tuple(sizes[label] for label in rest)
+    val = _band_val(b, list(b.out_labels) + [BAND] + rest).reshape((out_rows * S,) + rest_shape)
+    xp = _xp(val)
+    gathered = xp.take(val, src.reshape(-1), axis=0).reshape((n_group, C) + rest_shape)
+    vmask = valid.reshape((n_group, C) + (1,) * len(rest_shape))
+    gathered = xp.where(vmask, gathered, xp.zeros((), gathered.dtype))
+    # The transpose: out axes are b's in axes, in axes are b's out axes (all in the `Ell`).
+    new_out_shape = b.in_shape
+    group_labels = [fresh_label() for _ in ell.in_axes]
+    new_out_labels = list(b.in_labels)
+    for j, l in enumerate(ell.in_axes):
+        new_out_labels[l] = group_labels[j]
+    new_in_labels = [fresh_label() for _ in b.out_shape]
+    val_t = gathered.reshape(gshape + (C,) + rest_shape)
+    val_labels = group_labels + [BAND] + rest
+    # tmap[c, i]: the flat out index of entry c of row i; constant along non-group axes.
+    t = (src // S).reshape(gshape + (C,))
+    v = valid.reshape(gshape + (C,))
+    t = np.moveaxis(t, -1, 0)
+    v = np.moveaxis(v, -1, 0)
+    placed_shape = [C] + [1] * len(new_out_shape)
+    for j, l in enumerate(ell.in_axes):
+        placed_shape[1 + l] = gshape[j]
+    t = np.broadcast_to(t.reshape(placed_shape), (C,) + new_out_shape)
+    v = np.broadcast_to(v.reshape(placed_shape), (C,) + new_out_shape)
+    del n_out
+    out = Struct.build(
+        val_t,
+        val_labels,
+        new_out_labels,
+        new_in_labels,
+        new_out_shape,
+        b.out_shape,
+        Ell(np.ascontiguousarray(t), np.ascontiguousarray(v), tuple(range(len(b.out_shape)))),
+    )
+    return simplify(out)
+
+
+# ---- operations on the out side -----------------------------------------------------------
+
+
+def map_out_axes(b: Struct, axes: Sequence[int], fn: Callable, out_shape: Sequence[int]) -> Struct:
+    """Apply a data movement along the out axes `axes` of an `Ell` block: `fn(arr,
+    positions, fill)` moves the given axes of `arr` (slice, pad, flip, ...) and fills new
+    positions with `fill`. Applied to `val` (fill zero) and to the pattern (`tmap` fill
+    zero, `mask` fill false)."""
+    assert b.ell is not None
+    b = b.broadcast_labels([b.out_labels[k] for k in axes])
+    positions = [b.val_labels.index(b.out_labels[k]) for k in axes]
+    val = apply_known_or_traced(fn, b.val, positions, np.zeros((), b.val.dtype))
+    tpos = [1 + k for k in axes]
+    tmap = eval_known(fn, b.ell.tmap, tpos, np.zeros((), np.int32))
+    mask = eval_known(fn, b.ell.full_mask(), tpos, np.zeros((), bool))
+    return simplify(
+        Struct.build(
+            val,
+            b.val_labels,
+            b.out_labels,
+            b.in_labels,
+            tuple(out_shape),
+            b.in_shape,
+            Ell(tmap, mask, b.ell.in_axes),
+        )
+    )
+
+
+def fold_out_axes(b: Struct, axes: Sequence[int]) -> Struct:
+    """Sum an `Ell` block over the out axes `axes`: the entries of the summed rows become
+    entries of the remaining row."""
+    axes = sorted(axes)
+    fold_labels = [b.out_labels[k] for k in axes]
+    b = b.broadcast_labels(fold_labels + [BAND])
+    val, val_labels = b.val, list(b.val_labels)
+    # Move the folded labels right after BAND and merge them into it.
+    band_at = val_labels.index(BAND)
+    order = [a for a, label in enumerate(val_labels) if label not in fold_labels]
+    band_pos = order.index(band_at)
+    moved = [val_labels.index(label) for label in fold_labels]
+    order = order[: band_pos + 1] + moved + order[band_pos + 1 :]
+    val = val.transpose(order) if order != list(range(len(order))) else val
+    new_labels = [val_labels[a] for a in order]
+    shape = list(val.shape)
+    merged = math.prod(shape[band_pos : band_pos + 1 + len(moved)])
+    val = val.reshape(
+        tuple(shape[:band_pos]) + (merged,) + tuple(shape[band_pos + 1 + len(moved) :])
+    )
+    new_labels = new_labels[: band_pos + 1] + new_labels[band_pos + 1 + len(moved) :]
+    tpos = [1 + k for k in axes]
+    rest = [a for a in range(1 + len(b.out_shape)) if a not in tpos and a != 0]
+    tmap = np.transpose(b.ell.tmap, [0] + tpos + rest)
+    mask = np.transpose(b.ell.full_mask(), [0] + tpos + rest)
+    keep_shape = tuple(b.out_shape[k] for k in range(len(b.out_shape)) if k not in axes)
+    tmap = tmap.reshape((-1,) + keep_shape)
+    mask = mask.reshape((-1,) + keep_shape)
+    out_labels = [label for k, label in enumerate(b.out_labels) if k not in axes]
+    return simplify(
+        Struct.build(
+            val,
+            new_labels,
+            out_labels,
+            b.in_labels,
+            keep_shape,
+            b.in_shape,
+            Ell(tmap, mask, b.ell.in_axes),
+        )
+    )
+
+
+def gather_rows(blocks: Sequence[Struct], src, valid, out_shape) -> Struct:
+    """A block whose row `o` holds, for each `c`, the entries of row `src[c, o]` of the rows
+    of `blocks` (their out positions, flattened and stacked in order; see `stack_rows`),
+    or nothing where `valid[c, o]` is false: a gather (one `c`) or a sum of gathers (several)
+    with indices known at trace time. `src` and `valid` are NumPy, of shape
+    `(C,) + out_shape`; the `blocks` must have an `Ell` over the same in axes."""
+    val, tmap, mask, dense_axes = stack_rows(blocks)
+    b0 = blocks[0].canonical()
+    S = tmap.shape[0]
+    out_shape = tuple(out_shape)
+    C = src.shape[0]
+    ok = valid.reshape(C, -1)
+    s = np.where(ok, src.reshape(C, -1), 0)
+    n_new = s.shape[1]
+    rest_shape = val.shape[2:]
+    # Entry (c, e) of new row o: entry e of old row s[c, o].
+    new_tmap = np.transpose(tmap[:, s], (1, 0, 2)).reshape((C * S,) + out_shape)
+    new_mask = np.transpose(mask[:, s] & ok[None], (1, 0, 2)).reshape((C * S,) + out_shape)
+    xp = _xp(val)
+    g = xp.take(val, s.reshape(-1), axis=0).reshape((C, n_new, S) + rest_shape)
+    okv = ok.reshape((C, n_new) + (1,) * (1 + len(rest_shape)))
+    g = xp.where(okv, g, xp.zeros((), g.dtype))
+    g = xp.moveaxis(g, 0, 1).reshape(out_shape + (C * S,) + rest_shape)
+    out_labels = [fresh_label() for _ in out_shape]
+    in_labels = [fresh_label() for _ in b0.in_shape]
+    val_labels = out_labels + [BAND] + [in_labels[l] for l in dense_axes]
+    return simplify(
+        Struct.build(
+            g,
+            val_labels,
+            out_labels,
+            in_labels,
+            out_shape,
+            b0.in_shape,
+            Ell(new_tmap, new_mask, b0.ell.in_axes),
+        )
+    )
+
+
+# ---- what a pattern is ------------------------------------------------------------------
+
+
+def square_offsets(b: Struct):
+    """For an `Ell` block over all in axes whose out and in sizes are equal: the live
+    entries as `(rows, cols)` of the flattened square matrix (NumPy), else `None`."""
+    ell = b.ell
+    n = math.prod(b.out_shape)
+    if ell is None or ell.in_axes != tuple(range(len(b.in_shape))) or math.prod(b.in_shape) != n:
+        return None
+    rows = np.broadcast_to(np.arange(n).reshape((1, n)), (ell.S, n))
+    cols = ell.tmap.reshape(ell.S, n)
+    live = ell.full_mask().reshape(ell.S, n)
+    return rows[live], cols[live]
+
+
+def block_size(b: Struct) -> int | None:
+    """The smallest block size `k` such that the block is block-diagonal with `n / k`
+    square blocks of size `k` in its flattened form, if it is and `k < n`."""
+    rc = square_offsets(b)
+    if rc is None:
+        return None
+    rows, cols = rc
+    n = math.prod(b.out_shape)
+    for k in range(1, n):
+        if n % k == 0 and (rows // k == cols // k).all():
+            return k if k < n else None
+    return None
+
+
+def bandwidth(b: Struct) -> tuple[int, int] | None:
+    """`(lower, upper)` bandwidths of the flattened square matrix, if the block is a square
+    `Ell` block; `None` otherwise."""
+    rc = square_offsets(b)
+    if rc is None:
+        return None
+    rows, cols = rc
+    if len(rows) == 0:
+        return (0, 0)
+    off = cols.astype(np.int64) - rows
+    return int(max(0, -off.min())), int(max(0, off.max()))
+
+
+def describe(b: Struct) -> str:
+    """ "identity", "diagonal", "dense 4 x 4", "block-diagonal 1000 x 3 x 3", "banded,
+    offsets -1..1", "sparse, 5 entries per row", with the numbers `val` stores against a
+    dense block's."""
+    dense = math.prod(b.out_shape) * math.prod(b.in_shape)
+    stored = b.stored_size()
+    if b.ell is None:
+        kind = b.kind()
+        if kind == "dense":
+            kind = f"dense {' x '.join(map(str, b.out_shape + b.in_shape)) or 'scalar'}"
+        elif kind == "structured":
+            ties = b.ties
+            kind = f"structured ({len(ties)} delta axes)"
+        text = kind.replace("_", " ")
+    else:
+        k = block_size(b)
+        bw = bandwidth(b)
+        n = math.prod(b.out_shape)
+        if k is not None and k > 1:
+            text = f"block-diagonal {n // k} x {k} x {k}"
+        elif bw is not None and bw[0] + bw[1] + 1 < n:
+            text = f"banded, offsets {-bw[0]}..{bw[1]}"
+        else:
+            text = f"sparse, {b.ell.S} entries per row"
+    return f"{text}: {stored:,} numbers stored, dense {dense:,}"
+
+
+# ---- conforming to a joined structure -----------------------------------------------------
+
+
+def conform_val(b: Struct, t: Struct):
+    """`b`'s values written in the structure of `t` (a join of structures that include
+    `b`'s, as the branches of a `cond` or the iterations of a loop need): an array shaped
+    like `t.val`."""
+    t = t.canonical()
+    b2, t2 = common_form([b, t])
+    assert t2.structure_key() == t.structure_key(), "the template must include the block"
+    b2 = b2.canonical()
+    if t.ell is None:
+        assert b2.ell is None and b2.ties == t.ties
+        return expand(b2.val, b2.val_labels, t.val_labels, t.sizes)
+    out_labels = list(t.out_labels)
+    rest = [label for label in t.val_labels if label not in out_labels and label != BAND]
+    n_rows = math.prod(t.out_shape)
+    sizes = t.sizes
+    rest_shape = tuple(sizes[label] for label in rest)
+    bsizes = b2.sizes
+    val_b = expand(b2.val, b2.val_labels, out_labels + [BAND] + rest, bsizes)
+    Sb, St = b2.ell.S, t.ell.S
+    val_b = val_b.reshape((n_rows, Sb) + rest_shape)
+    tt = t.ell.tmap.reshape(St, n_rows)
+    tm = t.ell.full_mask().reshape(St, n_rows)
+    bt = b2.ell.tmap.reshape(Sb, n_rows)
+    bm = b2.ell.full_mask().reshape(Sb, n_rows)
+    rows, cols, srcs = [], [], []
+    for s in range(Sb):
+        match = tm & (tt == bt[s][None])
+        live = bm[s]
+        assert match[:, live].any(axis=0).all(), "an entry has no place in the template"
+        slot = np.argmax(match, axis=0)
+        p = np.flatnonzero(live)
+        rows.append(p)
+        cols.append(slot[p])
+        srcs.append(p * Sb + s)
+    rows, cols, srcs = np.concatenate(rows), np.concatenate(cols), np.concatenate(srcs)
+    flat_b = val_b.reshape((n_rows * Sb,) + rest_shape)
+    dtype = t.val.dtype
+    if is_known(flat_b):
+        out = np.zeros((n_rows, St) + rest_shape, dtype)
+        np.add.at(out, (rows, cols), flat_b[srcs].astype(dtype))
+    else:
+        out = (
+            jnp.zeros((n_rows, St) + rest_shape, dtype)
+            .at[rows, cols]
+            .add(jnp.take(flat_b, srcs, axis=0).astype(dtype))
+        )
+    out = out.reshape(t.out_shape + (St,) + rest_shape)
+    return place(out, out_labels + [BAND] + rest, t.val_labels)
