@@ -16,9 +16,15 @@ from ._levy_area import (
     sample_iterated_integrals as sample_iterated_integrals,
     sample_levy_area as sample_levy_area,
 )
+from ._linear_solver import StructuredLinearSolver as StructuredLinearSolver
 from ._materialise import (
     materialise as materialise,
     materialise_operator as materialise_operator,
+)
+from ._operators import (
+    BandedLinearOperator as BandedLinearOperator,
+    BlockDiagonalLinearOperator as BlockDiagonalLinearOperator,
+    SparseLinearOperator as SparseLinearOperator,
 )
 from ._solver.milstein import (
     ItoMilstein as ItoMilstein,

@@ -14,6 +14,7 @@ import numpy as np
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
 from ._compat import bind_eqn, dce_jaxpr, prim
 from ._interpreter import Context, eval_jaxpr, evaluate_known, interpret, known, Lin
+from ._operators import sparse_operator
 from ._structure import Struct
 
 
@@ -458,6 +459,8 @@ def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.Abstra
         zeros = jnp.zeros(tuple(out_aval.shape) + tuple(in_shape), out_aval.dtype)
         return lx.PyTreeLinearOperator(zeros, out_struct)
     kind = b.kind() if out_aval.dtype == in_dtype else "dtype-changing"
+    if kind == "sparse":
+        return sparse_operator(b, in_struct, out_struct)
     if kind == "identity":
         return lx.IdentityLinearOperator(in_struct, out_struct)
     if kind in ("scaled_identity", "diagonal"):

@@ -6,6 +6,7 @@ Data movement along an axis that is a delta (a slice, pad, reversal, concatenati
 with indices known at trace time) keeps the structure as a row-compressed pattern (an
 `Ell`, see `_structure.py`), computed at trace time with NumPy."""
 
+import itertools
 import math
 
 import jax
@@ -23,6 +24,7 @@ from ._sparsity import (
     gather_rows,
     map_out_axes,
     simplify,
+    too_full,
 )
 from ._structure import add, BAND, contract, Ell, fresh_label, is_known, is_unit, place, Struct
 
@@ -442,8 +444,55 @@ def _reshape_rule(ctx, eqn, vals):
     return [Lin(blocks, aval.shape, aval.dtype)]
 
 
+# Data movement on an array of `val` or of a pattern: NumPy (at trace time) for known
+# arrays, `lax` for traced ones. Each takes per moved axis a position (or `None`).
+
+
+def _np_pad(v, fill, config):
+    """`lax.pad` on NumPy: negative padding removes, interior padding interleaves."""
+    for a, (lo, hi, interior) in enumerate(config):
+        if interior:
+            n = v.shape[a]
+            shape = list(v.shape)
+            shape[a] = n + max(n - 1, 0) * interior
+            out = np.full(shape, fill, v.dtype)
+            index = [slice(None)] * v.ndim
+            index[a] = slice(None, None, interior + 1)
+            out[tuple(index)] = v
+            v = out
+        if lo < 0 or hi < 0:
+            index = [slice(None)] * v.ndim
+            index[a] = slice(max(-lo, 0), v.shape[a] - max(-hi, 0))
+            v = v[tuple(index)]
+        if lo > 0 or hi > 0:
+            widths = [(0, 0)] * v.ndim
+            widths[a] = (max(lo, 0), max(hi, 0))
+            v = np.pad(v, widths, constant_values=fill)
+    return v
+
+
+def _pad(v, fill, config):
+    if is_known(v):
+        return _np_pad(np.asarray(v), np.asarray(fill, v.dtype), config)
+    return lax.pad(v, jnp.asarray(fill, v.dtype), config)
+
+
+def _slice(v, start, limit, strides):
+    if is_known(v):
+        return v[tuple(slice(a, b, c) for a, b, c in zip(start, limit, strides))]
+    return lax.slice(v, start, limit, strides)
+
+
+def _concat(parts, axis):
+    xp = np if all(is_known(p) for p in parts) else jnp
+    return xp.concatenate(parts, axis=axis)
+
+
 def _rev(v, positions, fill):
-    return jnp.flip(v, axis=tuple(positions)) if positions else v
+    axes = tuple(a for a in positions if a is not None)
+    if not axes:
+        return v
+    return np.flip(v, axis=axes) if is_known(v) else jnp.flip(v, axis=axes)
 
 
 @register_rule(prim("rev"))
@@ -457,8 +506,9 @@ def _slice_fn(axes, start, limit, strides):
     def fn(v, positions, fill):
         s, li, st = [0] * v.ndim, list(v.shape), [1] * v.ndim
         for k, a in zip(axes, positions):
-            s[a], li[a], st[a] = start[k], limit[k], strides[k]
-        return lax.slice(v, s, li, st)
+            if a is not None:
+                s[a], li[a], st[a] = start[k], limit[k], strides[k]
+        return _slice(v, s, li, st)
 
     return fn
 
@@ -502,8 +552,9 @@ def _dynamic_slice_rule(ctx, eqn, vals):
         idx = [jnp.zeros_like(starts[0])] * v.ndim  # starts' int type
         sz = list(v.shape)
         for k, a in zip(axes, positions):
-            idx[a] = starts[k]
-            sz[a] = sizes[k]
+            if a is not None:
+                idx[a] = starts[k]
+                sz[a] = sizes[k]
         return lax.dynamic_slice(v, idx, sz)
 
     blocks = {
@@ -525,8 +576,9 @@ def _pad_rule(ctx, eqn, vals):
     def fn(v, positions, fill):
         cfg = [(0, 0, 0)] * v.ndim
         for k, a in zip(axes, positions):
-            cfg[a] = tuple(int(c) for c in config[k])
-        return lax.pad(v, jnp.asarray(fill, v.dtype), cfg)
+            if a is not None:
+                cfg[a] = tuple(int(c) for c in config[k])
+        return _pad(v, fill, cfg)
 
     blocks = {p: _cast(_move_out(b, axes, fn, aval.shape), aval.dtype) for p, b in x.blocks.items()}
     return [Lin(blocks, aval.shape, aval.dtype)]
@@ -534,8 +586,8 @@ def _pad_rule(ctx, eqn, vals):
 
 @register_rule(prim("concatenate"))
 def _concatenate_rule(ctx, eqn, vals):
-    if any(_has_pattern(x) for x in vals if isinstance(x, Lin)):
-        return _data_movement(ctx, eqn, vals)
+    """Each linear part is padded into place along the axis; the sum of the parts keeps the
+    structure they share (their patterns cover disjoint rows and merge)."""
     dim = eqn.params["dimension"]
     aval = _out_aval(eqn)
     total = aval.shape[dim]
@@ -546,9 +598,11 @@ def _concatenate_rule(ctx, eqn, vals):
         if isinstance(x, Lin):
 
             def fn(v, positions, fill, offset=offset, size=size):
+                if positions[0] is None:
+                    return v
                 cfg = [(0, 0, 0)] * v.ndim
                 cfg[positions[0]] = (offset, total - offset - size, 0)
-                return lax.pad(v, jnp.asarray(fill, v.dtype), cfg)
+                return _pad(v, fill, cfg)
 
             blocks = {p: _move_out(b, [dim], fn, aval.shape) for p, b in x.blocks.items()}
             parts.append(Lin(blocks, aval.shape, aval.dtype))
@@ -566,7 +620,11 @@ def _split_rule(ctx, eqn, vals):
         size = v.aval.shape[axis]
 
         def fn(val, positions, fill, start=start, size=size):
-            return lax.slice_in_dim(val, start, start + size, axis=positions[0])
+            if positions[0] is None:
+                return val
+            begin, end = [0] * val.ndim, list(val.shape)
+            begin[positions[0]], end[positions[0]] = start, start + size
+            return _slice(val, begin, end, [1] * val.ndim)
 
         blocks = {
             p: _cast(_move_out(b, [axis], fn, v.aval.shape), v.aval.dtype)
@@ -587,7 +645,8 @@ def _tile_rule(ctx, eqn, vals):
 
     def fn(v, positions, fill):
         for k, a in zip(axes, positions):
-            v = jnp.concatenate([v] * reps[k], axis=a)
+            if a is not None:
+                v = _concat([v] * reps[k], axis=a)
         return v
 
     blocks = {p: _cast(_move_out(b, axes, fn, aval.shape), aval.dtype) for p, b in x.blocks.items()}
@@ -696,10 +755,50 @@ def _data_movement(ctx, eqn, vals, codes=None):
     return results
 
 
-@register_rule(prim("stack"), prim("unstack"))
+@register_rule(prim("stack"))
 def _stack_rule(ctx, eqn, vals):
-    out = _data_movement(ctx, eqn, vals)
-    return dense_fallback(ctx, eqn, vals) if out is NotImplemented else out
+    """`stack`: each part gains a size-one axis and is padded into place."""
+    axis = eqn.params["axis"]
+    aval = _out_aval(eqn)
+    parts = []
+    for j, x in enumerate(vals):
+        if not isinstance(x, Lin):
+            continue
+        shape = x.shape[:axis] + (1,) + x.shape[axis:]
+        dims = tuple(k for k in range(len(shape)) if k != axis)
+
+        def fn(v, positions, fill, j=j):
+            if positions[0] is None:
+                return v
+            cfg = [(0, 0, 0)] * v.ndim
+            cfg[positions[0]] = (j, len(vals) - j - 1, 0)
+            return _pad(v, fill, cfg)
+
+        blocks = {
+            p: _move_out(_broadcast_block(b, shape, dims), [axis], fn, aval.shape)
+            for p, b in x.blocks.items()
+        }
+        parts.append(Lin(blocks, aval.shape, aval.dtype))
+    return [_sum_lins(parts, aval.shape, aval.dtype)]
+
+
+@register_rule(prim("unstack"))
+def _unstack_rule(ctx, eqn, vals):
+    (x,) = vals
+    axis = eqn.params["axis"]
+    outs = []
+    for j, v in enumerate(eqn.outvars):
+        start = [0] * len(x.shape)
+        limit = list(x.shape)
+        start[axis], limit[axis] = j, j + 1
+        fn = _slice_fn([axis], start, limit, [1] * len(x.shape))
+        shape = tuple(limit[k] - start[k] for k in range(len(x.shape)))
+        blocks = {
+            p: _cast(_drop_out_axes(_move_out(b, [axis], fn, shape), [axis]), v.aval.dtype)
+            for p, b in x.blocks.items()
+        }
+        outs.append(Lin(blocks, v.aval.shape, v.aval.dtype))
+    return outs
 
 
 def _index_known(eqn, vals) -> bool:
@@ -912,7 +1011,7 @@ def _dot_block(b: Struct, a, lin_is_lhs: bool, dimension_numbers, out_shape, dty
     xc, ac, xb, ab = (lc, rc, lb, rb) if lin_is_lhs else (rc, lc, rb, lb)
     if b.ell is not None:
         folded = b.ell.S * math.prod(b.out_shape[k] for k in xc)
-        if 2 * folded > math.prod(b.group_shape):
+        if too_full(folded, math.prod(b.group_shape)):
             b = b.ell_to_plain()  # the product is dense over the pattern's in axes
         else:
             return _dot_block_ell(b, a, lin_is_lhs, xc, ac, xb, ab, out_shape, dtype)
@@ -1016,8 +1115,77 @@ def _dot_general_rule(ctx, eqn, vals):
 # ---- primitives applied to the values, vectorised over the in side ---------------------
 
 
+def _conv_as_shifts(lhs, rhs, params):
+    """`conv_general_dilated(lhs, rhs)` (no input dilation) as a sum over the kernel's
+    offsets of a strided slice of the padded input contracted with the kernel's slice:
+    the same numbers, in terms of data movement that keeps structure."""
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    x = jnp.transpose(lhs, lhs_spec)  # (N, C, *spatial)
+    w = jnp.transpose(rhs, rhs_spec)  # (O, I, *kernel)
+    padding = [tuple(int(q) for q in p) for p in params["padding"]]
+    x = lax.pad(
+        x, jnp.zeros((), x.dtype), [(0, 0, 0), (0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding]
+    )
+    strides, rdil = params["window_strides"], params["rhs_dilation"]
+    G, B = params["feature_group_count"], params["batch_group_count"]
+    N, C = x.shape[:2]
+    O = w.shape[0]
+    kernel = w.shape[2:]
+    out_sizes = [
+        (x.shape[2 + d] - (kernel[d] - 1) * rdil[d] - 1) // strides[d] + 1
+        for d in range(len(kernel))
+    ]
+    total = None
+    for k in itertools.product(*[range(n) for n in kernel]):
+        start = [0, 0] + [k[d] * rdil[d] for d in range(len(kernel))]
+        limit = [N, C] + [
+            start[2 + d] + (out_sizes[d] - 1) * strides[d] + 1 for d in range(len(kernel))
+        ]
+        shifted = lax.slice(x, start, limit, [1, 1] + list(strides))
+        wk = w[(slice(None), slice(None)) + k]  # (O, I)
+        if G > 1:
+            sh = shifted.reshape((N, G, C // G) + shifted.shape[2:])
+            term = jnp.einsum("ngc...,goc->ngo...", sh, wk.reshape(G, O // G, -1))
+            term = term.reshape((N, O) + term.shape[3:])
+        elif B > 1:
+            sh = shifted.reshape((B, N // B) + shifted.shape[1:])
+            term = jnp.einsum("bnc...,boc->nbo...", sh, wk.reshape(B, O // B, -1))
+            term = term.reshape((N // B, O) + term.shape[3:])
+        else:
+            term = jnp.einsum("nc...,oc->no...", shifted, wk)
+        total = term if total is None else total + term
+    return jnp.transpose(total, np.argsort(out_spec))
+
+
+_CONV_MAX_WINDOW = 64
+
+
+@register_rule(prim("conv_general_dilated"))
+def _conv_rule(ctx, eqn, vals):
+    """A convolution of a structured input with a constant kernel of a few elements (a
+    stencil, a small filter) keeps the input's structure: it is rewritten as shifts and
+    channel contractions. Anything else is applied along the out side."""
+    lhs, rhs = vals
+    params = eqn.params
+    kernel = eqn.invars[1].aval.shape
+    spatial = [kernel[d] for d in params["dimension_numbers"].rhs_spec[2:]]
+    if (
+        isinstance(lhs, Lin)
+        and not isinstance(rhs, Lin)
+        and _has_pattern(lhs)
+        and all(d == 1 for d in params["lhs_dilation"])
+        and math.prod(spatial) <= _CONV_MAX_WINDOW
+        and not (params["feature_group_count"] > 1 and params["batch_group_count"] > 1)
+    ):
+        aval = eqn.invars[0].aval
+        closed = jax.make_jaxpr(lambda x: _conv_as_shifts(x, rhs, params))(
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        )
+        return interpret(ctx, closed.jaxpr, closed.consts, [lhs])
+    return _apply_along_out(ctx, eqn, vals)
+
+
 @register_rule(
-    prim("conv_general_dilated"),
     prim("reduce_window_sum"),
     prim("select_and_gather_add"),
     prim("select_and_scatter_add"),

@@ -12,7 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._compat import is_tracer
 from ._structure import BAND, Ell, expand, fresh_label, is_known, place, Struct
+
+
+# A pattern with more entries per row than this fraction of the in axes it points into is
+# stored dense instead: past it, the pattern costs more than the numbers it saves.
+DENSE_FRACTION = 0.5
+
+
+def too_full(entries: int, n_group: int) -> bool:
+    return entries > 1 and entries > DENSE_FRACTION * n_group
 
 
 # ---- NumPy or JAX -----------------------------------------------------------------------
@@ -32,7 +42,9 @@ def eval_known(fn, *args):
 def apply_known_or_traced(fn, arr, *args):
     """`fn(arr, *args)`, at trace time (a NumPy result) when `arr` is NumPy."""
     if is_known(arr):
-        return eval_known(fn, arr, *args)
+        with jax.ensure_compile_time_eval():
+            out = fn(arr, *args)
+        return out if is_known(out) or is_tracer(out) else np.asarray(out)
     return fn(arr, *args)
 
 
@@ -57,29 +69,43 @@ def _categories(b: Struct) -> list[str]:
 def common_form(blocks: Sequence[Struct], force_ell: bool = False) -> list[Struct]:
     """The blocks (same in shape) brought to one form: either all without an `Ell` with the
     same deltas (only if their out shapes agree and `force_ell` is false), or all with an
-    `Ell` over the same in axes. An in axis that is dense in one block and a delta (or in an
-    `Ell`) in another becomes dense in all of them, as their sum would be."""
+    `Ell` over the same in axes.
+
+    An in axis that is dense in one block and a delta (or in an `Ell`) in another is either
+    absorbed into the pattern of the dense ones (their entries multiplied by its size),
+    where that keeps the pattern sparse, or made dense in all of them, as their sum would
+    be."""
     blocks = [b.canonical() for b in blocks]
     n_in = len(blocks[0].in_shape)
+    in_shape = blocks[0].in_shape
     while True:
         cats = [_categories(b) for b in blocks]
-        changed = False
-        for l in range(n_in):
-            cs = [c[l] for c in cats]
-            if all(c == "B" for c in cs):
-                continue
-            if any(c in "TG" for c in cs) and any(c in "DB" for c in cs):
-                for i, c in enumerate(cs):
-                    if c == "T":
-                        k = blocks[i].out_labels.index(blocks[i].in_labels[l])
-                        blocks[i] = blocks[i].untie_out(k)
-                        changed = True
-                    elif c == "G":
-                        blocks[i] = blocks[i].ell_to_plain().canonical()
-                        changed = True
-                break
-        if not changed:
+        conflict = [
+            l
+            for l in range(n_in)
+            if any(c[l] in "TG" for c in cats) and any(c[l] in "DB" for c in cats)
+        ]
+        if not conflict:
             break
+        grouped = {l for l in range(n_in) if any(c[l] in "TG" for c in cats)}
+        n_group = math.prod(in_shape[l] for l in grouped)
+        entries = []
+        for b, c in zip(blocks, cats):
+            S = 1 if b.ell is None else b.ell.S
+            entries.append(S * math.prod(in_shape[l] for l in conflict if c[l] in "DB"))
+        if not too_full(max(entries), n_group):
+            blocks = [
+                absorb_in_axes(b, [l for l in conflict if c[l] in "DB"]).canonical()
+                for b, c in zip(blocks, cats)
+            ]
+            continue
+        l = conflict[0]
+        for i, c in enumerate(cats):
+            if c[l] == "T":
+                k = blocks[i].out_labels.index(blocks[i].in_labels[l])
+                blocks[i] = blocks[i].untie_out(k)
+            elif c[l] == "G":
+                blocks[i] = blocks[i].ell_to_plain().canonical()
     if not force_ell and all(b.ell is None for b in blocks):
         ties = blocks[0].ties
         if all(b.ties == ties and b.out_shape == blocks[0].out_shape for b in blocks):
@@ -87,16 +113,80 @@ def common_form(blocks: Sequence[Struct], force_ell: bool = False) -> list[Struc
     return [b.to_ell() for b in blocks]
 
 
-def _band_val(b: Struct, labels: Sequence[int]):
+def absorb_in_axes(b: Struct, axes: Sequence[int]) -> Struct:
+    """The block with the dense (or broadcast) in axes `axes` moved into its `Ell`: each
+    entry becomes one entry per element of those axes."""
+    b = b.to_ell().canonical()
+    if not axes:
+        return b
+    ell = b.ell
+    axes = sorted(axes)
+    labels = [b.in_labels[l] for l in axes]
+    b = b.broadcast_labels([BAND]).canonical()
+    val, val_labels = b.val, list(b.val_labels)
+    sizes = b.sizes
+    # Entry axis, then the absorbed axes (broadcast where `val` lacks them), merged.
+    for label in labels:
+        if label not in val_labels:
+            val = expand(val, val_labels, val_labels + [label], sizes)
+            val_labels.append(label)
+    band_at = val_labels.index(BAND)
+    moved = [val_labels.index(label) for label in labels]
+    order = [a for a in range(len(val_labels)) if a not in moved]
+    pos = order.index(band_at)
+    order = order[: pos + 1] + moved + order[pos + 1 :]
+    val = val.transpose(order)
+    new_labels = [val_labels[a] for a in order]
+    shape = val.shape
+    n_absorbed = math.prod(shape[pos + 1 : pos + 1 + len(moved)])
+    val = val.reshape(shape[:pos] + (shape[pos] * n_absorbed,) + shape[pos + 1 + len(moved) :])
+    del new_labels[pos + 1 : pos + 1 + len(moved)]
+    # The new pattern: flat index over the old group axes and the absorbed ones.
+    new_axes = tuple(sorted(set(ell.in_axes) | set(axes)))
+    old_shape = b.group_shape
+    new_shape = tuple(b.in_shape[l] for l in new_axes)
+    S = ell.S
+    old = np.unravel_index(ell.tmap, old_shape) if old_shape else ()
+    grid = np.indices(tuple(b.in_shape[l] for l in axes)).reshape(len(axes), -1)
+    coords = []
+    for l in new_axes:
+        if l in ell.in_axes:
+            c = old[ell.in_axes.index(l)]
+            coords.append(np.broadcast_to(c[:, None], (S, grid.shape[1]) + c.shape[1:]))
+        else:
+            g = grid[axes.index(l)].reshape((1, -1) + (1,) * len(b.out_shape))
+            coords.append(np.broadcast_to(g, (S, grid.shape[1]) + b.out_shape))
+    tmap = np.ravel_multi_index(tuple(coords), new_shape).reshape((-1,) + b.out_shape)
+    mask = np.broadcast_to(ell.full_mask()[:, None], (S, grid.shape[1]) + b.out_shape).reshape(
+        (-1,) + b.out_shape
+    )
+    in_labels = list(b.in_labels)
+    for l in axes:
+        in_labels[l] = fresh_label()
+    return simplify(
+        Struct.build(
+            val,
+            new_labels,
+            b.out_labels,
+            in_labels,
+            b.out_shape,
+            b.in_shape,
+            Ell(tmap, mask, new_axes),
+        )
+    )
+
+
+def _band_val(b: Struct, labels: Sequence[int], traced=False):
     """`b.val` broadcast to carry `labels` (which include `BAND`), in that order."""
-    return expand(b.val, b.val_labels, labels, b.sizes)
+    return expand(b.val, b.val_labels, labels, b.sizes, traced)
 
 
 def ell_concat_entries(blocks: Sequence[Struct]) -> Struct:
     """The sum of `Ell` blocks over the same in axes: their entries side by side."""
     labels = sorted({label for b in blocks for label in b.val_labels} | {BAND})
     dtype = jnp.result_type(*[b.val.dtype for b in blocks])
-    vals = [_band_val(b, labels) for b in blocks]
+    traced = not all(is_known(b.val) for b in blocks)
+    vals = [_band_val(b, labels, traced) for b in blocks]
     axis = labels.index(BAND)
     xp = _xp(*vals)
     val = xp.concatenate([v.astype(dtype) for v in vals], axis=axis)
@@ -153,10 +243,11 @@ def stack_rows(blocks: Sequence[Struct]):
     )
     in_shape = blocks[0].in_shape
     dtype = jnp.result_type(*[b.val.dtype for b in blocks])
+    traced = not all(is_known(b.val) for b in blocks)
     vals, tmaps, masks = [], [], []
     for b in blocks:
         labels = list(b.out_labels) + [BAND] + [b.in_labels[l] for l in dense_axes]
-        v = expand(b.val, b.val_labels, labels, b.sizes).astype(dtype)
+        v = expand(b.val, b.val_labels, labels, b.sizes, traced).astype(dtype)
         rows = math.prod(b.out_shape)
         vals.append(v.reshape((rows, S) + tuple(in_shape[l] for l in dense_axes)))
         tmaps.append(b.ell.tmap.reshape(S, rows))
@@ -171,7 +262,7 @@ def stack_rows(blocks: Sequence[Struct]):
 
 def _merge_entries(b: Struct, groups: list[list[int]]) -> Struct:
     """Merge the entries of each group into one (their targets agree wherever two of them
-    are unmasked): `val`s summed, masks joined."""
+    are unmasked): `val`s summed where live, masks joined."""
     ell = b.ell
     mask = ell.full_mask()
     tmap = []
@@ -186,13 +277,49 @@ def _merge_entries(b: Struct, groups: list[list[int]]) -> Struct:
         new_mask.append(m)
     tmap = np.stack(tmap)
     new_mask = np.stack(new_mask)
+    uneven = [g for g in groups if len(g) > 1 and any((mask[s] != mask[g[0]]).any() for s in g)]
+    live = None
+    if uneven:
+        # Entries outside their mask hold anything: sum only where each is live. The
+        # masks vary along few axes (a stacked species axis, a padded edge): `val` gains
+        # only those.
+        members = sorted({s for g in uneven for s in g})
+        varying = [
+            k
+            for k in range(len(b.out_shape))
+            if not (mask[members] == np.take(mask[members], [0], axis=1 + k)).all()
+        ]
+        b = b.broadcast_labels([b.out_labels[k] for k in varying] + [BAND]).canonical()
+        small = mask
+        for k in range(len(b.out_shape)):
+            if k not in varying:
+                small = np.take(small, [0], axis=1 + k)
+        small = small.reshape((small.shape[0],) + tuple(b.out_shape[k] for k in varying))
+        axis = b.val_labels.index(BAND)
+        out_pos = [b.val_labels.index(b.out_labels[k]) for k in varying]
+        live = _place_mask(small, axis, out_pos, b.val.ndim)
     if BAND in b.val_labels:
         axis = b.val_labels.index(BAND)
         xp = _xp(b.val)
         pieces = []
         for g in groups:
-            if len(g) == 1:
+            if len(g) == 1 and xp is jnp:
+                piece = jax.lax.index_in_dim(b.val, g[0], axis=axis, keepdims=False)
+            elif len(g) == 1:
                 piece = xp.take(b.val, g[0], axis=axis)
+            elif live is not None and g in uneven:
+                piece = sum(
+                    xp.where(
+                        np.take(live, e, axis=axis),
+                        jax.lax.index_in_dim(b.val, e, axis=axis, keepdims=False)
+                        if xp is jnp
+                        else np.take(b.val, e, axis=axis),
+                        np.zeros((), b.val.dtype),
+                    )
+                    for e in g
+                )
+            elif xp is jnp:
+                piece = sum(jax.lax.index_in_dim(b.val, e, axis=axis, keepdims=False) for e in g)
             else:
                 piece = xp.take(b.val, np.asarray(g), axis=axis).sum(axis=axis)
             pieces.append(piece)
@@ -219,6 +346,18 @@ def _merge_entries(b: Struct, groups: list[list[int]]) -> Struct:
     )
 
 
+def _place_mask(mask, axis, out_pos, ndim):
+    """An `Ell` mask (entry axis first, then out axes) laid out like a `val` whose entry
+    axis is at `axis` and out axes at `out_pos`, size one elsewhere."""
+    src = [axis] + list(out_pos)
+    order = sorted(range(len(src)), key=lambda i: src[i])
+    arr = np.transpose(mask, order)
+    shape = [1] * ndim
+    for i in order:
+        shape[src[i]] = mask.shape[i]
+    return arr.reshape(shape)
+
+
 def _entry_groups(ell: Ell) -> list[list[int]]:
     """Groups of entries that can be merged: exact duplicates, then (greedily) entries whose
     masks leave them never pointing at different targets in the same row. Entries masked
@@ -230,12 +369,10 @@ def _entry_groups(ell: Ell) -> list[list[int]]:
     live = [s for s in range(S) if flat_m[s].any()]
     if not live:
         return []
-    keys = np.where(flat_m[live], flat_t[live], -1)
-    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-    inverse = np.asarray(inverse).reshape(-1)
-    groups: dict[int, list[int]] = {}
-    for j, s in enumerate(live):
-        groups.setdefault(int(inverse[j]), []).append(s)
+    groups: dict[bytes, list[int]] = {}
+    for s in live:
+        key = np.where(flat_m[s], flat_t[s], -1).tobytes()
+        groups.setdefault(key, []).append(s)
     groups = sorted(groups.values(), key=lambda g: g[0])
     full = [g for g in groups if flat_m[g[0]].all()]
     partial = [g for g in groups if not flat_m[g[0]].all()]
@@ -254,6 +391,63 @@ def _entry_groups(ell: Ell) -> list[list[int]]:
             merged.append((list(g), t.copy(), m.copy()))
     out = full + [e[0] for e in merged]
     return sorted(out, key=lambda g: g[0])
+
+
+def _compact_rows(b: Struct) -> Struct:
+    """Row by row, merge the live entries that point at the same target, if that leaves
+    fewer entries than whole-entry merging did (the entries of a stacked block that play
+    different roles in different rows)."""
+    ell = b.ell
+    S = ell.S
+    t = ell.tmap.reshape(S, -1).astype(np.int64)
+    m = ell.full_mask().reshape(S, -1)
+    big = np.iinfo(np.int64).max
+    key = np.where(m, t, big)
+    order = np.argsort(key, axis=0, kind="stable")
+    sk = np.take_along_axis(key, order, axis=0)
+    first = np.ones_like(sk, dtype=bool)
+    first[1:] = sk[1:] != sk[:-1]
+    first &= sk != big
+    slot_sorted = np.cumsum(first, axis=0) - 1
+    n_slots = int(slot_sorted.max(initial=0)) + 1 if first.any() else 1
+    if n_slots >= S:
+        return b
+    slot = np.empty_like(slot_sorted)
+    np.put_along_axis(slot, order, slot_sorted, axis=0)
+    live = m
+    P = t.shape[1]
+    s_idx, p_idx = np.nonzero(live)
+    new_t = np.zeros((n_slots, P), np.int32)
+    new_m = np.zeros((n_slots, P), bool)
+    new_t[slot[s_idx, p_idx], p_idx] = t[s_idx, p_idx]
+    new_m[slot[s_idx, p_idx], p_idx] = True
+    b = b.canonical()
+    rest = [label for label in b.val_labels if label not in b.out_labels and label != BAND]
+    labels = list(b.out_labels) + [BAND] + rest
+    traced = not is_known(b.val)
+    val = _band_val(b, labels, traced)
+    rest_shape = val.shape[len(b.out_shape) + 1 :]
+    val = val.reshape((P, S) + rest_shape)
+    shape = (P, n_slots) + rest_shape
+    if traced:
+        out = jnp.zeros(shape, val.dtype).at[p_idx, slot[s_idx, p_idx]].add(val[p_idx, s_idx])
+    else:
+        out = np.zeros(shape, val.dtype)
+        np.add.at(out, (p_idx, slot[s_idx, p_idx]), val[p_idx, s_idx])
+    out = out.reshape(b.out_shape + (n_slots,) + rest_shape)
+    return Struct.build(
+        out,
+        labels,
+        b.out_labels,
+        b.in_labels,
+        b.out_shape,
+        b.in_shape,
+        Ell(
+            new_t.reshape((n_slots,) + b.out_shape),
+            new_m.reshape((n_slots,) + b.out_shape),
+            ell.in_axes,
+        ),
+    )
 
 
 def zero_block(b: Struct) -> Struct:
@@ -282,10 +476,27 @@ def simplify(b: Struct) -> Struct:
         return zero_block(b)
     if len(groups) != b.ell.S or any(len(g) > 1 for g in groups):
         b = _merge_entries(b, groups)
+    if b.ell.S > 1:
+        b = _compact_rows(b)
     n_group = math.prod(b.group_shape)
-    if b.ell.S > 1 and 2 * b.ell.S > n_group:
+    if too_full(b.ell.S, n_group):
         return b.ell_to_plain()
-    return as_deltas(b)
+    return as_deltas(compress(b))
+
+
+def compress(b: Struct) -> Struct:
+    """A block whose known `val` is constant along some of its axes, without those axes
+    (so that it stays small, and small in the program it ends up in)."""
+    if not is_known(b.val) or b.val.ndim == 0:
+        return b
+    val, labels = np.asarray(b.val), list(b.val_labels)
+    for a in reversed(range(val.ndim)):
+        if val.shape[a] > 1 and (val == np.take(val, [0], axis=a)).all():
+            val = np.take(val, 0, axis=a)
+            del labels[a]
+    if len(labels) == len(b.val_labels):
+        return b
+    return Struct.build(val, labels, b.out_labels, b.in_labels, b.out_shape, b.in_shape, b.ell)
 
 
 def as_deltas(b: Struct) -> Struct:
@@ -442,16 +653,22 @@ def ell_transpose(b: Struct) -> Struct:
 
 def map_out_axes(b: Struct, axes: Sequence[int], fn: Callable, out_shape: Sequence[int]) -> Struct:
     """Apply a data movement along the out axes `axes` of an `Ell` block: `fn(arr,
-    positions, fill)` moves the given axes of `arr` (slice, pad, flip, ...) and fills new
-    positions with `fill`. Applied to `val` (fill zero) and to the pattern (`tmap` fill
-    zero, `mask` fill false)."""
+    positions, fill)` moves the given axes of `arr` (slice, pad, flip, ...; a position
+    `None` is an axis `arr` does not have) and fills new positions with `fill`. Applied to
+    the pattern (`tmap` fill zero, `mask` fill false) and to `val`."""
     assert b.ell is not None
-    b = b.broadcast_labels([b.out_labels[k] for k in axes])
-    positions = [b.val_labels.index(b.out_labels[k]) for k in axes]
-    val = apply_known_or_traced(fn, b.val, positions, np.zeros((), b.val.dtype))
+    # `val` moves along the axes it varies on; along the others it is constant, and the
+    # pattern's mask marks the new (filled) positions.
+    positions = [
+        b.val_labels.index(b.out_labels[k]) if b.out_labels[k] in b.val_labels else None
+        for k in axes
+    ]
+    val = b.val
+    if any(a is not None for a in positions):
+        val = apply_known_or_traced(fn, b.val, positions, np.zeros((), b.val.dtype))
     tpos = [1 + k for k in axes]
-    tmap = eval_known(fn, b.ell.tmap, tpos, np.zeros((), np.int32))
-    mask = eval_known(fn, b.ell.full_mask(), tpos, np.zeros((), bool))
+    tmap = np.asarray(apply_known_or_traced(fn, b.ell.tmap, tpos, np.zeros((), np.int32)))
+    mask = np.asarray(apply_known_or_traced(fn, b.ell.full_mask(), tpos, np.zeros((), bool)))
     return simplify(
         Struct.build(
             val,
@@ -513,6 +730,8 @@ def gather_rows(blocks: Sequence[Struct], src, valid, out_shape) -> Struct:
     or nothing where `valid[c, o]` is false: a gather (one `c`) or a sum of gathers (several)
     with indices known at trace time. `src` and `valid` are NumPy, of shape
     `(C,) + out_shape`; the `blocks` must have an `Ell` over the same in axes."""
+    if len(blocks) == 1 and not set(blocks[0].out_labels) & set(blocks[0].val_labels):
+        return _gather_pattern(blocks[0], src, valid, out_shape)
     val, tmap, mask, dense_axes = stack_rows(blocks)
     b0 = blocks[0].canonical()
     S = tmap.shape[0]
@@ -542,6 +761,38 @@ def gather_rows(blocks: Sequence[Struct], src, valid, out_shape) -> Struct:
             out_shape,
             b0.in_shape,
             Ell(new_tmap, new_mask, b0.ell.in_axes),
+        )
+    )
+
+
+def _gather_pattern(b: Struct, src, valid, out_shape) -> Struct:
+    """`gather_rows` of one block whose `val` is constant along its out axes: only the
+    pattern moves."""
+    b = b.canonical()
+    S = b.ell.S
+    C = src.shape[0]
+    out_shape = tuple(out_shape)
+    ok = valid.reshape(C, -1)
+    s = np.where(ok, src.reshape(C, -1), 0)
+    tmap = b.ell.tmap.reshape(S, -1)
+    mask = b.ell.full_mask().reshape(S, -1)
+    new_tmap = np.transpose(tmap[:, s], (1, 0, 2)).reshape((C * S,) + out_shape)
+    new_mask = np.transpose(mask[:, s] & ok[None], (1, 0, 2)).reshape((C * S,) + out_shape)
+    val, val_labels = b.val, list(b.val_labels)
+    if C > 1:  # entry (c, e) holds entry e's value
+        if BAND in val_labels:
+            a = val_labels.index(BAND)
+            val = _xp(val).concatenate([val] * C, axis=a)
+    out_labels = [fresh_label() for _ in out_shape]
+    return simplify(
+        Struct.build(
+            val,
+            val_labels,
+            out_labels,
+            b.in_labels,
+            out_shape,
+            b.in_shape,
+            Ell(new_tmap, new_mask, b.ell.in_axes),
         )
     )
 
@@ -629,14 +880,14 @@ def conform_val(b: Struct, t: Struct):
     b2 = b2.canonical()
     if t.ell is None:
         assert b2.ell is None and b2.ties == t.ties
-        return expand(b2.val, b2.val_labels, t.val_labels, t.sizes)
+        return expand(b2.val, b2.val_labels, t.val_labels, t.sizes, traced=True)
     out_labels = list(t.out_labels)
     rest = [label for label in t.val_labels if label not in out_labels and label != BAND]
     n_rows = math.prod(t.out_shape)
     sizes = t.sizes
     rest_shape = tuple(sizes[label] for label in rest)
     bsizes = b2.sizes
-    val_b = expand(b2.val, b2.val_labels, out_labels + [BAND] + rest, bsizes)
+    val_b = expand(b2.val, b2.val_labels, out_labels + [BAND] + rest, bsizes, traced=True)
     Sb, St = b2.ell.S, t.ell.S
     val_b = val_b.reshape((n_rows, Sb) + rest_shape)
     tt = t.ell.tmap.reshape(St, n_rows)
@@ -667,3 +918,42 @@ def conform_val(b: Struct, t: Struct):
         )
     out = out.reshape(t.out_shape + (St,) + rest_shape)
     return place(out, out_labels + [BAND] + rest, t.val_labels)
+
+
+# ---- as a matrix --------------------------------------------------------------------------
+
+
+def flat_entries(b: Struct):
+    """An `Ell` block as a row-compressed matrix of its flattened out and in sides.
+
+    **Returns:** `(values, columns, live)`: `values` of shape `(rows, E)` (zero where not
+    live), NumPy `columns` and `live` of shape `(E, rows)`."""
+    b = b.canonical()
+    ell = b.ell
+    rest = [l for l in range(len(b.in_shape)) if l not in ell.in_axes]
+    labels = list(b.out_labels) + [BAND] + [b.in_labels[l] for l in rest]
+    val = _band_val(b, labels)
+    rows = math.prod(b.out_shape)
+    rest_shape = tuple(b.in_shape[l] for l in rest)
+    n_rest = math.prod(rest_shape)
+    S = ell.S
+    val = val.reshape(rows, S * n_rest)
+    gshape = b.group_shape
+    group = np.unravel_index(ell.tmap.reshape(S, rows), gshape) if gshape else ()
+    rest_idx = np.unravel_index(np.arange(n_rest), rest_shape) if rest_shape else ()
+    coords = [None] * len(b.in_shape)
+    for j, l in enumerate(ell.in_axes):
+        coords[l] = np.broadcast_to(group[j][:, None, :], (S, n_rest, rows))
+    for j, l in enumerate(rest):
+        coords[l] = np.broadcast_to(rest_idx[j][None, :, None], (S, n_rest, rows))
+    if b.in_shape:
+        columns = np.ravel_multi_index(tuple(coords), b.in_shape)
+    else:
+        columns = np.zeros((S, n_rest, rows), np.int64)
+    columns = columns.reshape(S * n_rest, rows)
+    live = np.broadcast_to(ell.full_mask().reshape(S, 1, rows), (S, n_rest, rows)).reshape(
+        S * n_rest, rows
+    )
+    if not live.all():
+        val = _xp(val).where(live.T, val, np.zeros((), val.dtype))
+    return val, columns, live

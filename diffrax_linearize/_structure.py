@@ -25,7 +25,8 @@ instead each out position `o` holds `S` entries `s`, entry `s` pointing at the f
     J[o, i] = sum_s val[..., s] * mask[s, o] * [ravel(i[in_axes]) == tmap[s, o]],
 
 with `val`'s entry axis labelled `BAND`. `tmap` and `mask` are NumPy arrays: the sparsity
-pattern is static, only `val` is traced. Entries outside `mask` hold zero in `val`.
+pattern is static, only `val` is traced. Entries outside `mask` are not part of the block,
+whatever `val` holds there (so that `val` can stay constant along an axis that was padded).
 
 `val` may be a NumPy array: then it is known at trace time, and multiplying by a NumPy one
 is skipped, so that the Jacobian of `x -> A @ x` is `A` itself.
@@ -80,10 +81,14 @@ def place(arr, labels: Sequence[int], target: Sequence[int]):
     return arr
 
 
-def expand(arr, labels: Sequence[int], target: Sequence[int], sizes: dict[int, int]):
-    """`arr` (axes labelled `labels`) broadcast to the full shape of `target`."""
+def expand(arr, labels: Sequence[int], target: Sequence[int], sizes: dict[int, int], traced=False):
+    """`arr` (axes labelled `labels`) broadcast to the full shape of `target`. With
+    `traced`, a NumPy `arr` is broadcast in the program (so that a small known array
+    combined with traced ones does not become a large constant)."""
     full = tuple(sizes[label] for label in target)
     arr = place(arr, labels, target)
+    if traced and is_known(arr):
+        arr = jnp.asarray(arr)
     if tuple(arr.shape) != full:
         arr = np.broadcast_to(arr, full) if is_known(arr) else jnp.broadcast_to(arr, full)
     return arr
@@ -572,7 +577,10 @@ def _plain_add(a: Struct, b: Struct) -> Struct:
     if a.val_labels == b.val_labels:
         val = a.val + b.val
     else:
-        val = place(a.val, a.val_labels, labels) + place(b.val, b.val_labels, labels)
+        av, bv = place(a.val, a.val_labels, labels), place(b.val, b.val_labels, labels)
+        if is_known(av) != is_known(bv):
+            av, bv = jnp.asarray(av), jnp.asarray(bv)
+        val = av + bv
         full = tuple(a.sizes[label] for label in labels)
         if tuple(val.shape) != full:
             val = np.broadcast_to(val, full) if is_known(val) else jnp.broadcast_to(val, full)

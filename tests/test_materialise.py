@@ -899,19 +899,47 @@ def test_closed_over_array_not_a_constant():
 # ---- strict mode --------------------------------------------------------------------------
 
 
+def _linear_primitive():
+    """A linear primitive (doubling) with no structure rule: it takes the dense fallback."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    p = Primitive("double_without_rule")
+    p.def_impl(lambda x: 2 * x)
+    p.def_abstract_eval(lambda x: x)
+    ad.deflinear2(p, lambda t, x: [p.bind(t)])
+    mlir.register_lowering(p, mlir.lower_fun(lambda x: 2 * x, multiple_results=False))
+    batching.defvectorized(p)
+    return p
+
+
+_DOUBLE = _linear_primitive()
+
+
 def test_strict():
     A, _ = _matrices()
     x = _input((N,), jnp.float64)
     np.testing.assert_array_equal(dl.materialise(lambda x: A @ x, x, strict=True), A)
 
     def fn(x):
-        return lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, A @ s[1]), (0, x))[1]
+        return A @ _DOUBLE.bind(jnp.sin(x))
 
-    with pytest.raises(ValueError, match="while"):
+    with pytest.raises(ValueError, match="double_without_rule"):
         dl.materialise(fn, x, strict=True)
-    with pytest.raises(ValueError, match="while"):
+    with pytest.raises(ValueError, match="double_without_rule"):
         dl.materialise_operator(fn, x, strict=True)
     assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+def test_while_loop_has_a_rule():
+    A, _ = _matrices()
+    x = _input((N,), jnp.float64)
+
+    def fn(x):
+        return lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, A @ s[1]), (0, x))[1]
+
+    out = dl.materialise(fn, x, strict=True)
+    assert_tree_allclose(out, jax.jacfwd(fn)(x), rtol=1e-12)
 
 
 # ---- bad input ----------------------------------------------------------------------------

@@ -1,0 +1,471 @@
+"""Linear operators for the sparse structures the engine finds: block-diagonal, banded and
+general row-compressed (ELL) matrices, registered with lineax's `singledispatch` functions
+as lineax registers its own operators. Each acts on arrays of any shape (its input and
+output structures), as a matrix on their flattened forms, and stores O(nonzeros) numbers in
+its array leaves: the pattern (offsets, column indices) is static."""
+
+import functools as ft
+import hashlib
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+from jaxtyping import Array, Inexact
+
+
+class StaticArray:
+    """A NumPy array held as static data in a module: hashed and compared by its bytes."""
+
+    __slots__ = ("array", "_digest")
+
+    def __init__(self, array):
+        self.array = np.ascontiguousarray(array)
+        self.array.flags.writeable = False
+        self._digest = hashlib.blake2b(
+            self.array.tobytes() + str((self.array.shape, self.array.dtype.str)).encode(),
+            digest_size=16,
+        ).hexdigest()
+
+    def __hash__(self):
+        return hash(self._digest)
+
+    def __eq__(self, other):
+        return isinstance(other, StaticArray) and self._digest == other._digest
+
+    def __repr__(self):
+        return f"StaticArray(shape={self.array.shape}, dtype={self.array.dtype})"
+
+
+def _flat(x):
+    return jnp.reshape(x, (-1,))
+
+
+def _structs_match(op, n_in, n_out):
+    if math.prod(op.input_structure.shape) != n_in:
+        raise ValueError(f"`{type(op).__name__}`: the input structure has the wrong size.")
+    if math.prod(op.output_structure.shape) != n_out:
+        raise ValueError(f"`{type(op).__name__}`: the output structure has the wrong size.")
+
+
+class BlockDiagonalLinearOperator(lx.AbstractLinearOperator):
+    """A block-diagonal matrix of `n` square blocks of size `k`, acting on arrays of
+    `n * k` elements (flattened in row-major order): for example `N` independent systems of
+    `k` unknowns each, stored as `(N, k, k)` numbers.
+
+    Solved by [`diffrax_linearize.StructuredLinearSolver`][] with one batched LU
+    factorisation, $O(n k^3)$.
+    """
+
+    blocks: Inexact[Array, "n k k"]
+    input_structure: jax.ShapeDtypeStruct = eqx.field(static=True)
+    output_structure: jax.ShapeDtypeStruct = eqx.field(static=True)
+
+    def __init__(self, blocks, input_structure=None, output_structure=None):
+        """**Arguments:**
+
+        - `blocks`: an array of shape `(n, k, k)`: block `i` maps elements
+          `i k, ..., i k + k - 1` of the input to the same elements of the output.
+        - `input_structure`, `output_structure`: `jax.ShapeDtypeStruct`s of the arrays the
+          operator acts on and returns (default: vectors of `n * k` elements).
+        """
+        blocks = jnp.asarray(blocks)
+        if blocks.ndim != 3 or blocks.shape[1] != blocks.shape[2]:
+            raise ValueError(
+                "`diffrax_linearize.BlockDiagonalLinearOperator`: `blocks` must have shape "
+                f"(n, k, k), got {blocks.shape}."
+            )
+        size = blocks.shape[0] * blocks.shape[1]
+        default = jax.ShapeDtypeStruct((size,), blocks.dtype)
+        self.blocks = blocks
+        self.input_structure = input_structure or default
+        self.output_structure = output_structure or default
+        _structs_match(self, size, size)
+
+    def mv(self, vector):
+        n, k, _ = self.blocks.shape
+        x = jnp.reshape(vector, (n, k))
+        y = jnp.einsum("nij,nj->ni", self.blocks, x)
+        return jnp.reshape(y, self.output_structure.shape).astype(self.output_structure.dtype)
+
+    def as_matrix(self):
+        n, k, _ = self.blocks.shape
+        rows = np.arange(n * k).reshape(n, k)
+        r = np.broadcast_to(rows[:, :, None], (n, k, k))
+        c = np.broadcast_to(rows[:, None, :], (n, k, k))
+        out = jnp.zeros((n * k, n * k), self.blocks.dtype)
+        return out.at[r, c].set(self.blocks)
+
+    def transpose(self):
+        return BlockDiagonalLinearOperator(
+            jnp.swapaxes(self.blocks, 1, 2), self.output_structure, self.input_structure
+        )
+
+    def in_structure(self):
+        return self.input_structure
+
+    def out_structure(self):
+        return self.output_structure
+
+
+class BandedLinearOperator(lx.AbstractLinearOperator):
+    """A square banded matrix, stored by diagonals: `diagonals[j, r]` is the entry in row
+    `r`, column `r + offsets[j]` (entries outside the matrix are ignored). Acts on arrays of
+    `n` elements, flattened in row-major order: for example a 1D stencil, or a stencil on a
+    grid whose band is the grid's row length.
+
+    Solved by [`diffrax_linearize.StructuredLinearSolver`][] with a block-tridiagonal LU
+    factorisation with blocks of the bandwidth, $O(n\\, w^2)$ for bandwidth $w$.
+    """
+
+    diagonals: Inexact[Array, "d n"]
+    offsets: tuple[int, ...] = eqx.field(static=True)
+    input_structure: jax.ShapeDtypeStruct = eqx.field(static=True)
+    output_structure: jax.ShapeDtypeStruct = eqx.field(static=True)
+
+    def __init__(self, diagonals, offsets, input_structure=None, output_structure=None):
+        """**Arguments:**
+
+        - `diagonals`: an array of shape `(len(offsets), n)`.
+        - `offsets`: distinct ints, one per diagonal (`0` the main diagonal, `1` the first
+          above it, `-1` the first below it).
+        - `input_structure`, `output_structure`: as for
+          [`diffrax_linearize.BlockDiagonalLinearOperator`][].
+        """
+        diagonals = jnp.asarray(diagonals)
+        offsets = tuple(int(d) for d in offsets)
+        if diagonals.ndim != 2 or diagonals.shape[0] != len(offsets):
+            raise ValueError(
+                "`diffrax_linearize.BandedLinearOperator`: `diagonals` must have shape "
+                f"(len(offsets), n) = ({len(offsets)}, n), got {diagonals.shape}."
+            )
+        if len(set(offsets)) != len(offsets):
+            raise ValueError(
+                f"`diffrax_linearize.BandedLinearOperator`: repeated offsets {offsets}."
+            )
+        n = diagonals.shape[1]
+        default = jax.ShapeDtypeStruct((n,), diagonals.dtype)
+        self.diagonals = diagonals
+        self.offsets = offsets
+        self.input_structure = input_structure or default
+        self.output_structure = output_structure or default
+        _structs_match(self, n, n)
+
+    @property
+    def bandwidths(self) -> tuple[int, int]:
+        """`(lower, upper)`."""
+        return max(0, -min(self.offsets)), max(0, max(self.offsets))
+
+    def mv(self, vector):
+        n = self.diagonals.shape[1]
+        lower, upper = self.bandwidths
+        x = jnp.pad(_flat(vector).astype(self.diagonals.dtype), (lower, upper))
+        y = sum(
+            self.diagonals[j] * jax.lax.dynamic_slice_in_dim(x, lower + d, n)
+            for j, d in enumerate(self.offsets)
+        )
+        return jnp.reshape(y, self.output_structure.shape).astype(self.output_structure.dtype)
+
+    def as_matrix(self):
+        n = self.diagonals.shape[1]
+        out = jnp.zeros((n, n), self.diagonals.dtype)
+        for j, d in enumerate(self.offsets):
+            rows = np.arange(max(0, -d), min(n, n - d))
+            out = out.at[rows, rows + d].set(self.diagonals[j, rows])
+        return out
+
+    def transpose(self):
+        # Entry (r, r + d) becomes (r + d, r): diagonal -d, read at row r + d.
+        n = self.diagonals.shape[1]
+        new = []
+        for j, d in enumerate(self.offsets):
+            shifted = jnp.zeros((n,), self.diagonals.dtype)
+            rows = np.arange(max(0, -d), min(n, n - d))
+            new.append(shifted.at[rows + d].set(self.diagonals[j, rows]))
+        return BandedLinearOperator(
+            jnp.stack(new),
+            tuple(-d for d in self.offsets),
+            self.output_structure,
+            self.input_structure,
+        )
+
+    def in_structure(self):
+        return self.input_structure
+
+    def out_structure(self):
+        return self.output_structure
+
+
+class SparseLinearOperator(lx.AbstractLinearOperator):
+    """A sparse matrix in row-compressed (ELLPACK) form: row `r` holds `S` entries, entry
+    `s` being `values[r, s]` in column `columns[s, r]`. The column indices are static (known
+    at trace time), the values traced. Acts on arrays of any shape, flattened in row-major
+    order: for example a stencil on a periodic grid, or any pattern the engine found.
+
+    Solved by [`diffrax_linearize.StructuredLinearSolver`][] with GMRES, preconditioned by
+    the inverse of its diagonal (or a preconditioner you pass).
+    """
+
+    values: Inexact[Array, "m s"]
+    columns: StaticArray = eqx.field(static=True)
+    input_structure: jax.ShapeDtypeStruct = eqx.field(static=True)
+    output_structure: jax.ShapeDtypeStruct = eqx.field(static=True)
+
+    def __init__(self, values, columns, input_structure, output_structure=None):
+        """**Arguments:**
+
+        - `values`: an array of shape `(m, S)`; entries that are not part of the matrix hold
+          zero.
+        - `columns`: a NumPy integer array of shape `(S, m)`: the flat input index of each
+          entry.
+        - `input_structure`: a `jax.ShapeDtypeStruct` of the arrays the operator acts on.
+        - `output_structure`: of the arrays it returns (default: vectors of `m` elements).
+        """
+        values = jnp.asarray(values)
+        columns = np.asarray(columns)
+        if values.ndim != 2 or columns.shape != (values.shape[1], values.shape[0]):
+            raise ValueError(
+                "`diffrax_linearize.SparseLinearOperator`: `values` must have shape (m, S) "
+                f"and `columns` shape (S, m); got {values.shape} and {columns.shape}."
+            )
+        if not np.issubdtype(columns.dtype, np.integer):
+            raise TypeError(
+                "`diffrax_linearize.SparseLinearOperator`: `columns` must be an integer "
+                "NumPy array (known at trace time)."
+            )
+        n_in = math.prod(input_structure.shape)
+        if columns.size and (columns.min() < 0 or columns.max() >= n_in):
+            raise ValueError(
+                "`diffrax_linearize.SparseLinearOperator`: `columns` must lie in "
+                f"[0, {n_in}), the size of the input."
+            )
+        self.values = values
+        self.columns = StaticArray(columns.astype(np.int32))
+        self.input_structure = input_structure
+        self.output_structure = output_structure or jax.ShapeDtypeStruct(
+            (values.shape[0],), values.dtype
+        )
+        _structs_match(self, n_in, values.shape[0])
+
+    def mv(self, vector):
+        x = _flat(vector).astype(self.values.dtype)
+        cols = self.columns.array
+        y = sum(self.values[:, s] * x[cols[s]] for s in range(cols.shape[0]))
+        return jnp.reshape(y, self.output_structure.shape).astype(self.output_structure.dtype)
+
+    def as_matrix(self):
+        m, S = self.values.shape
+        n = math.prod(self.input_structure.shape)
+        rows = np.broadcast_to(np.arange(m)[:, None], (m, S))
+        out = jnp.zeros((m, n), self.values.dtype)
+        return out.at[rows, self.columns.array.T].add(self.values)
+
+    def transpose(self):
+        m, S = self.values.shape
+        n = math.prod(self.input_structure.shape)
+        cols = self.columns.array.T.reshape(-1)  # entry (r, s) at flat r * S + s
+        order = np.argsort(cols, kind="stable")
+        targets = cols[order]
+        counts = np.bincount(targets, minlength=n)
+        C = max(1, int(counts.max(initial=0)))
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        pos = np.arange(len(order)) - starts[targets]
+        src = np.zeros((n, C), np.int64)
+        valid = np.zeros((n, C), bool)
+        src[targets, pos] = order
+        valid[targets, pos] = True
+        values = jnp.where(valid, jnp.reshape(self.values, (-1,))[src], 0)
+        return SparseLinearOperator(
+            values, (src // S).T, self.output_structure, self.input_structure
+        )
+
+    def in_structure(self):
+        return self.input_structure
+
+    def out_structure(self):
+        return self.output_structure
+
+    def diagonal(self):
+        """The main diagonal (of the flattened square matrix)."""
+        m, S = self.values.shape
+        hit = self.columns.array.T == np.arange(m)[:, None]
+        return jnp.where(hit, self.values, 0).sum(axis=1)
+
+
+_OPERATORS = (BlockDiagonalLinearOperator, BandedLinearOperator, SparseLinearOperator)
+
+
+def _register(fn, *types):
+    def decorator(impl):
+        for t in types:
+            fn.register(t)(impl)
+        return impl
+
+    return decorator
+
+
+@_register(lx.linearise, *_OPERATORS)
+@_register(lx.materialise, *_OPERATORS)
+def _(operator):
+    return operator
+
+
+@_register(lx.diagonal, BlockDiagonalLinearOperator)
+def _(operator):
+    return jnp.diagonal(operator.blocks, axis1=1, axis2=2).reshape(-1)
+
+
+@_register(lx.diagonal, BandedLinearOperator)
+def _(operator):
+    n = operator.diagonals.shape[1]
+    if 0 in operator.offsets:
+        return operator.diagonals[operator.offsets.index(0)]
+    return jnp.zeros((n,), operator.diagonals.dtype)
+
+
+@_register(lx.diagonal, SparseLinearOperator)
+def _(operator):
+    return operator.diagonal()
+
+
+@_register(lx.tridiagonal, *_OPERATORS)
+def _(operator):
+    matrix = operator.as_matrix()
+    return (
+        jnp.diagonal(matrix),
+        jnp.diagonal(matrix, offset=-1),
+        jnp.diagonal(matrix, offset=1),
+    )
+
+
+@_register(lx.is_diagonal, BlockDiagonalLinearOperator)
+def _(operator):
+    return operator.blocks.shape[1] == 1
+
+
+@_register(lx.is_diagonal, BandedLinearOperator)
+def _(operator):
+    return set(operator.offsets) <= {0}
+
+
+@_register(lx.is_tridiagonal, BlockDiagonalLinearOperator)
+def _(operator):
+    return operator.blocks.shape[1] <= 2
+
+
+@_register(lx.is_tridiagonal, BandedLinearOperator)
+def _(operator):
+    return set(operator.offsets) <= {-1, 0, 1}
+
+
+@_register(lx.is_lower_triangular, BandedLinearOperator)
+def _(operator):
+    return max(operator.offsets) <= 0
+
+
+@_register(lx.is_upper_triangular, BandedLinearOperator)
+def _(operator):
+    return min(operator.offsets) >= 0
+
+
+# Properties that the structure does not decide are reported as unknown (`False`), as
+# lineax does for untagged operators.
+@_register(lx.is_diagonal, SparseLinearOperator)
+@_register(lx.is_tridiagonal, SparseLinearOperator)
+@_register(lx.is_symmetric, *_OPERATORS)
+@_register(lx.has_unit_diagonal, *_OPERATORS)
+@_register(lx.is_lower_triangular, BlockDiagonalLinearOperator, SparseLinearOperator)
+@_register(lx.is_upper_triangular, BlockDiagonalLinearOperator, SparseLinearOperator)
+@_register(lx.is_positive_semidefinite, *_OPERATORS)
+@_register(lx.is_negative_semidefinite, *_OPERATORS)
+def _(operator):
+    return False
+
+
+@_register(lx.conj, BlockDiagonalLinearOperator)
+def _(operator):
+    return BlockDiagonalLinearOperator(
+        operator.blocks.conj(), operator.input_structure, operator.output_structure
+    )
+
+
+@_register(lx.conj, BandedLinearOperator)
+def _(operator):
+    return BandedLinearOperator(
+        operator.diagonals.conj(),
+        operator.offsets,
+        operator.input_structure,
+        operator.output_structure,
+    )
+
+
+@_register(lx.conj, SparseLinearOperator)
+def _(operator):
+    return SparseLinearOperator(
+        operator.values.conj(),
+        operator.columns.array,
+        operator.input_structure,
+        operator.output_structure,
+    )
+
+
+del ft
+
+
+# ---- from the engine's blocks -------------------------------------------------------------
+
+
+def _block_size(rows, cols, n) -> int | None:
+    for k in range(1, n):
+        if n % k == 0 and (rows // k == cols // k).all():
+            return k
+    return None
+
+
+def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLinearOperator:
+    """The lineax operator of a row-compressed block (one with an `Ell`): block-diagonal,
+    tridiagonal, banded, or general sparse, whichever its static pattern is."""
+    from ._sparsity import flat_entries
+
+    values, columns, live = flat_entries(block)
+    values = jnp.asarray(values, output_structure.dtype)
+    m = values.shape[0]
+    n = math.prod(input_structure.shape)
+    if m == n and m > 1:
+        E = columns.shape[0]
+        rows = np.broadcast_to(np.arange(m), (E, m))[live]
+        cols = columns[live]
+        r_entry = np.broadcast_to(np.arange(m)[:, None], (m, E)).T[live]
+        e_entry = np.broadcast_to(np.arange(E)[:, None], (E, m))[live]
+        picked = values[r_entry, e_entry]
+        k = _block_size(rows, cols, n) if len(rows) else 1
+        if k is not None and k <= 256:
+            blocks = jnp.zeros((n // k, k, k), values.dtype)
+            blocks = blocks.at[rows // k, rows % k, cols % k].add(picked)
+            return BlockDiagonalLinearOperator(blocks, input_structure, output_structure)
+        off = cols.astype(np.int64) - rows
+        lower, upper = int(max(0, -off.min())), int(max(0, off.max()))
+        width = max(lower, upper)
+        if width <= 4 * math.isqrt(n) and width < n // 2:
+            offsets = tuple(range(-lower, upper + 1))
+            diagonals = jnp.zeros((len(offsets), n), values.dtype)
+            diagonals = diagonals.at[off + lower, rows].add(picked)
+            if (
+                set(offsets) <= {-1, 0, 1}
+                and len(input_structure.shape) == 1
+                and input_structure.shape == output_structure.shape
+            ):
+                full = {
+                    d: diagonals[offsets.index(d)] if d in offsets else None for d in (-1, 0, 1)
+                }
+                zero = jnp.zeros((n,), values.dtype)
+                lo = full[-1] if full[-1] is not None else zero
+                up = full[1] if full[1] is not None else zero
+                mid = full[0] if full[0] is not None else zero
+                return lx.TridiagonalLinearOperator(mid, lo[1:], up[:-1])
+            return BandedLinearOperator(diagonals, offsets, input_structure, output_structure)
+    return SparseLinearOperator(
+        values, np.where(live, columns, 0), input_structure, output_structure
+    )

@@ -1,0 +1,492 @@
+"""Sparse structure: block-diagonal, banded and stencil Jacobians of the vector fields people
+write, loops, and the lineax operators and solver that keep the structure. Every Jacobian
+is compared with `jax.jacfwd`; every operator with its dense matrix; storage is asserted by
+counting the numbers held in the operators' array leaves."""
+
+import diffrax_linearize as dl
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.scipy as jsp
+import lineax as lx
+import numpy as np
+import pytest
+from diffrax_linearize import _materialise, _sparsity
+from helpers import assert_tree_allclose
+
+
+_TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.float64: dict(rtol=1e-11, atol=1e-11)}
+
+
+# ---- the fields ---------------------------------------------------------------------------
+
+
+def robertson_stack(y):
+    """N Robertson systems in a flat state, written with `y[:, k]` and `jnp.stack`."""
+    y = y.reshape(-1, 3)
+    y1, y2, y3 = y[:, 0], y[:, 1], y[:, 2]
+    d1 = -0.04 * y1 + 1e4 * y2 * y3
+    d3 = 3e7 * y2**2
+    return jnp.stack([d1, -d1 - d3, d3], axis=1).reshape(-1)
+
+
+def _robertson_one(y):
+    y1, y2, y3 = y
+    d1 = -0.04 * y1 + 1e4 * y2 * y3
+    d3 = 3e7 * y2**2
+    return jnp.stack([d1, -d1 - d3, d3])
+
+
+def robertson_vmap(y):
+    return jax.vmap(_robertson_one)(y.reshape(-1, 3)).reshape(-1)
+
+
+def laplacian_pad(u):
+    up = jnp.pad(u, 1)
+    return up[2:] - 2 * up[1:-1] + up[:-2] - u**3
+
+
+def laplacian_roll(u):
+    return jnp.roll(u, 1) + jnp.roll(u, -1) - 2 * u + jnp.sin(u)
+
+
+def brusselator_1d(y):
+    u, v = y[: y.shape[0] // 2], y[y.shape[0] // 2 :]
+    lap = lambda w: jnp.pad(w, 1, mode="edge")[2:] - 2 * w + jnp.pad(w, 1, mode="edge")[:-2]
+    du = 1 + u**2 * v - 4 * u + 0.02 * lap(u)
+    dv = 3 * u - u**2 * v + 0.02 * lap(v)
+    return jnp.concatenate([du, dv])
+
+
+def brusselator_2d(y):
+    n = int(round((y.shape[0] // 2) ** 0.5))
+    y = y.reshape(2, n, n)
+    u, v = y[0], y[1]
+
+    def lap(w):
+        return (
+            jnp.roll(w, 1, 0) + jnp.roll(w, -1, 0) + jnp.roll(w, 1, 1) + jnp.roll(w, -1, 1) - 4 * w
+        )
+
+    du = 1.0 + u**2 * v - 4.4 * u + 0.5 * lap(u)
+    dv = 3.4 * u - u**2 * v + 0.5 * lap(v)
+    return jnp.stack([du, dv]).reshape(-1)
+
+
+def gray_scott_2d(y):
+    """Two species as the last axis of a grid, a Dirichlet boundary by padding."""
+    n = int(round((y.shape[0] // 2) ** 0.5))
+    y = y.reshape(n, n, 2)
+    u, v = y[..., 0], y[..., 1]
+
+    def lap(w):
+        p = jnp.pad(w, 1)
+        return p[2:, 1:-1] + p[:-2, 1:-1] + p[1:-1, 2:] + p[1:-1, :-2] - 4 * w
+
+    du = 0.16 * lap(u) - u * v**2 + 0.06 * (1 - u)
+    dv = 0.08 * lap(v) + u * v**2 - 0.12 * v
+    return jnp.stack([du, dv], axis=-1).reshape(-1)
+
+
+def lorenz96(x):
+    return (jnp.roll(x, -1) - jnp.roll(x, 2)) * jnp.roll(x, 1) - x + 8.0
+
+
+def scan_field(y):
+    """A field computed by `lax.scan` over the systems (a map with no carry)."""
+    _, out = lax.scan(lambda c, s: (c, _robertson_one(s)), 0.0, y.reshape(-1, 3))
+    return out.reshape(-1)
+
+
+def heat_substeps(u):
+    """Three explicit heat substeps inside the field: a `fori_loop` whose band widens."""
+    return lax.fori_loop(0, 3, lambda i, w: w + 0.1 * laplacian_pad(w), u)
+
+
+FIELDS = {
+    "robertson_stack": (robertson_stack, 30),
+    "robertson_vmap": (robertson_vmap, 30),
+    "laplacian_pad": (laplacian_pad, 20),
+    "laplacian_roll": (laplacian_roll, 20),
+    "brusselator_1d": (brusselator_1d, 24),
+    "brusselator_2d": (brusselator_2d, 2 * 6 * 6),
+    "gray_scott_2d": (gray_scott_2d, 2 * 5 * 5),
+    "lorenz96": (lorenz96, 16),
+    "scan_field": (scan_field, 30),
+    "heat_substeps": (heat_substeps, 24),
+}
+
+
+def _input(n, dtype, seed=0):
+    return jnp.asarray(0.5 + np.random.RandomState(seed).rand(n), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("name", list(FIELDS))
+def test_field_matches_jacfwd(name, mode, dtype):
+    fn, n = FIELDS[name]
+    x = _input(n, dtype)
+    out = jax.jit(lambda x: dl.materialise(fn, x, mode=mode, strict=True))(x)
+    assert_tree_allclose(out, jax.jacfwd(fn)(x), **_TOL[dtype])
+
+
+def _block(fn, x, mode="forward"):
+    (block,) = _materialise.structured_blocks(fn, x, mode=mode)[0][0]
+    return block
+
+
+def _leaf_size(op):
+    return sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(op))
+
+
+@pytest.mark.parametrize("name", ["robertson_stack", "robertson_vmap", "scan_field"])
+def test_block_diagonal_storage(name):
+    fn, _ = FIELDS[name]
+    x = _input(3 * 50, jnp.float64)
+    op = dl.materialise_operator(fn, x)
+    assert isinstance(op, dl.BlockDiagonalLinearOperator)
+    assert op.blocks.shape == (50, 3, 3)
+    assert _leaf_size(op) == 9 * 50
+    assert "block-diagonal 50 x 3 x 3" in _block(fn, x).describe()
+    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+def test_banded_storage():
+    x = _input(200, jnp.float64)
+    op = dl.materialise_operator(laplacian_pad, x)
+    assert isinstance(op, lx.TridiagonalLinearOperator)
+    assert _leaf_size(op) == 200 + 2 * 199
+    assert "banded, offsets -1..1" in _block(laplacian_pad, x).describe()
+    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(laplacian_pad)(x), rtol=1e-12)
+    # A wider stencil: a banded operator with offsets -2..2, five numbers per row.
+    fn = lambda u: jnp.pad(u, 2)[4:] + jnp.pad(u, 2)[:-4] - 2 * u + jnp.tanh(u)
+    op = dl.materialise_operator(fn, x)
+    assert isinstance(op, dl.BandedLinearOperator)
+    assert op.offsets == (-2, -1, 0, 1, 2) and _leaf_size(op) == 5 * 200
+    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name, per_row", [("brusselator_2d", 6), ("laplacian_roll", 3)])
+def test_periodic_stencil_storage(name, per_row):
+    fn, _ = FIELDS[name]
+    n = 2 * 12 * 12 if name == "brusselator_2d" else 100
+    x = _input(n, jnp.float64)
+    op = dl.materialise_operator(fn, x)
+    assert isinstance(op, dl.SparseLinearOperator)
+    assert op.values.shape == (n, per_row)
+    assert _leaf_size(op) == per_row * n
+    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+def test_dirichlet_2d_is_banded_by_grid_rows():
+    x = _input(2 * 8 * 8, jnp.float64)
+    op = dl.materialise_operator(gray_scott_2d, x)
+    assert isinstance(op, dl.BandedLinearOperator)
+    lower, upper = op.bandwidths
+    assert lower == upper == 2 * 8  # species last: the grid's row is 16 numbers away
+    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(gray_scott_2d)(x), rtol=1e-12)
+
+
+def test_no_dense_block_at_scale():
+    """At 2048 and 100,000 unknowns nothing dense is ever built: the structured blocks
+    are formed inside a trace (no values), and their storage is counted."""
+    for fn, n, most in [
+        (brusselator_2d, 2 * 32 * 32, 6),
+        (laplacian_pad, 100_000, 3),
+        (robertson_stack, 3000, 3),
+    ]:
+        block = jax.eval_shape(lambda x: _block(fn, x).val, jax.ShapeDtypeStruct((n,), jnp.float64))
+        assert np.prod(block.shape) <= most * n, (fn.__name__, block.shape)
+
+
+# ---- idioms, one at a time ----------------------------------------------------------------
+
+
+_IDX = np.array([3, 0, 2, 2, 5])
+
+IDIOMS = {
+    "static_index": lambda y: jnp.sin(y.reshape(4, 3)[:, 1]) * y.reshape(4, 3)[2],
+    "gather_known": lambda y: jnp.sin(y)[_IDX] * y[_IDX[::-1]],
+    "at_set": lambda y: jnp.sin(y).at[jnp.array([1, 4])].set(0.5) * 2,
+    "at_add": lambda y: y.at[jnp.array([1, 4, 1])].add(jnp.cos(y[:3])),
+    "at_min": lambda y: (y**2).at[2].min(0.7),
+    "at_max": lambda y: (y**2).at[jnp.array([0, 5])].max(0.2),
+    "reshape_dimensions": lambda y: lax.reshape(jnp.sin(y).reshape(3, 4), (4, 3), (1, 0)),
+    "stack_scalars": lambda y: jnp.stack([y[0] * y[1], jnp.sin(y[2]), y[3]]),
+    "roll_2d": lambda y: jnp.roll(y.reshape(3, 4) ** 2, (1, -1), axis=(0, 1)),
+    "rev_strided": lambda y: jnp.sin(y)[::-2] + y[1::2],
+    "dynamic_slice_static": lambda y: lax.dynamic_slice(jnp.sin(y), (3,), (5,)),
+    "dynamic_update_slice_static": lambda y: lax.dynamic_update_slice(y, jnp.sin(y[:3]), (4,)),
+    "tile_split": lambda y: jnp.tile(jnp.split(y, [4])[1], 2)[:10] * y[:10],
+    "concat_with_constant": lambda y: jnp.concatenate([y[2:], jnp.ones(2), y[:1] ** 2]),
+    "pad_interior": lambda y: lax.pad(y, 0.0, [(1, -1, 1)]) * 3,
+    "broadcast_expand": lambda y: jnp.sum(
+        jnp.broadcast_to(y[:4], (3, 4)) * jnp.arange(3.0)[:, None], 0
+    ),
+    "sum_of_stencil": lambda y: jnp.sum(jnp.roll(y, 1) * y),
+    "dot_of_stencil": lambda y: jnp.ones((2, 12)) @ (jnp.roll(y, 2) - y),
+    "conv_same": lambda y: jnp.convolve(y, jnp.array([1.0, -2.0, 1.0]), mode="same") + y**2,
+    "conv_groups": lambda y: eqx.nn.Conv1d(4, 4, 3, groups=2, key=jax.random.key(0), dtype=y.dtype)(
+        y.reshape(4, 3)
+    ).reshape(-1),
+    "conv_batch_groups": lambda y: lax.conv_general_dilated(
+        y.reshape(2, 1, 6), jnp.ones((4, 1, 3), y.dtype), (1,), [(1, 1)], batch_group_count=2
+    ).reshape(-1),
+    "cond_of_stencils": lambda y: lax.cond(y[0] > 0.8, jnp.roll, lambda y, s: 2 * y[::-1], y, 1),
+    "fori_static": lambda y: lax.fori_loop(0, 3, lambda i, u: u + 0.1 * jnp.sin(u), y),
+    "fori_dynamic": lambda y: lax.fori_loop(
+        0, (y[0] > 0).astype(int) + 2, lambda i, u: u * jnp.cos(u), y
+    ),
+    "while": lambda y: lax.while_loop(
+        lambda s: s[0] < 3, lambda s: (s[0] + 1, jnp.sin(s[1])), (0, y)
+    )[1],
+    "lax_map": lambda y: lax.map(lambda r: jnp.sin(r) * r[::-1], y.reshape(4, 3)).reshape(-1),
+    "scan_carry_and_xs": lambda y: lax.scan(
+        lambda c, a: (0.5 * c + jnp.sin(a), c * a), jnp.zeros(3, y.dtype), y.reshape(4, 3)
+    )[1].reshape(-1),
+    "expm": lambda y: jsp.linalg.expm(0.1 * y[:9].reshape(3, 3)).reshape(-1),
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("name", list(IDIOMS))
+def test_idiom(name, mode):
+    fn = IDIOMS[name]
+    for dtype in (jnp.float32, jnp.float64):
+        x = _input(12, dtype, seed=1)
+        out = dl.materialise(fn, x, mode=mode, strict=True)
+        assert_tree_allclose(out, jax.jacfwd(fn)(x), **_TOL[dtype])
+
+
+@pytest.mark.parametrize("name", list(IDIOMS))
+def test_idiom_with_patterns_kept(name, monkeypatch):
+    """The same, with patterns never traded for dense storage: every rule's pattern path
+    is exercised at these small sizes."""
+    monkeypatch.setattr(_sparsity, "DENSE_FRACTION", np.inf)
+    fn = IDIOMS[name]
+    x = _input(12, jnp.float64, seed=2)
+    for mode in ("forward", "reverse"):
+        out = dl.materialise(fn, x, mode=mode, strict=True)
+        assert_tree_allclose(out, jax.jacfwd(fn)(x), **_TOL[jnp.float64])
+
+
+def test_gather_with_known_indices_keeps_the_pattern():
+    x = _input(40, jnp.float64)
+    idx = np.random.RandomState(0).permutation(40)
+    block = _block(lambda y: jnp.sin(y)[idx], x)
+    assert block.ell is not None and block.ell.S == 1
+    assert block.stored_size() == 40
+
+
+def test_scatter_add_sums_rows():
+    x = _input(10, jnp.float64)
+    fn = lambda y: jnp.zeros(4).at[jnp.array([0, 1, 1, 3, 0, 0, 2, 3, 1, 2])].add(jnp.sin(y))
+    block = _block(fn, x)
+    assert block.ell is not None and block.ell.S == 3  # at most three elements per output
+    assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+def test_loop_structure_reaches_a_fixed_point():
+    x = _input(60, jnp.float64)
+    fn = lambda y: lax.fori_loop(0, 5, lambda i, u: u * jnp.cos(u) + 0.1 * u[::-1] * 0 + u, y)
+    assert _block(fn, x).kind() == "diagonal"
+    # Block-diagonal carries stay block-diagonal through a dynamic loop.
+    fn = lambda y: lax.while_loop(
+        lambda s: s[0] < 4, lambda s: (s[0] + 1, robertson_stack(s[1]) * 1e-9 + s[1]), (0, y)
+    )[1]
+    assert "block-diagonal 20 x 3 x 3" in _block(fn, x).describe()
+    assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-10)
+
+
+def test_widening_band_is_widened_to_dense():
+    # A stencil applied in a loop widens its band every iteration: no fixed point, so the
+    # carry is made dense over its pattern; still exact, still no dense fallback.
+    x = _input(16, jnp.float64)
+    fn = lambda y: lax.fori_loop(0, 20, lambda i, u: u + 0.01 * laplacian_roll(u), y)
+    out = dl.materialise(fn, x, strict=True)
+    assert_tree_allclose(out, jax.jacfwd(fn)(x), rtol=1e-10)
+
+
+# ---- random stencil programs --------------------------------------------------------------
+
+
+def _random_stencil_program(seed):
+    rng = np.random.RandomState(seed)
+    n = int(rng.randint(6, 12))
+    shape2 = (2, n // 2) if n % 2 == 0 else None
+    steps, lines = [], []
+
+    for _ in range(int(rng.randint(2, 7))):
+        op = rng.choice(
+            [
+                "shift",
+                "roll",
+                "pad_stencil",
+                "mul",
+                "sin",
+                "rev",
+                "gather",
+                "scatter",
+                "reshape2",
+                "sum_axis",
+                "cumsum",
+                "conv",
+                "where",
+                "matmul",
+            ]
+        )
+        if op == "shift":
+            k = int(rng.randint(1, 3))
+            steps.append(lambda u, k=k: jnp.concatenate([u[k:], jnp.zeros(k, u.dtype)]) + u)
+        elif op == "roll":
+            k = int(rng.randint(-3, 4))
+            steps.append(lambda u, k=k: jnp.roll(u, k) - 0.5 * u)
+        elif op == "pad_stencil":
+            steps.append(lambda u: jnp.pad(u, 1)[2:] + jnp.pad(u, 1)[:-2] - 2 * u)
+        elif op == "mul":
+            c = rng.randn(n)
+            steps.append(lambda u, c=c: u * c)
+        elif op == "sin":
+            steps.append(jnp.sin)
+        elif op == "rev":
+            steps.append(lambda u: u[::-1] + 0.3 * u)
+        elif op == "gather":
+            idx = rng.randint(n, size=n)
+            steps.append(lambda u, idx=idx: u[idx] * u)
+        elif op == "scatter":
+            idx = rng.randint(n, size=n)
+            steps.append(lambda u, idx=idx: jnp.zeros_like(u).at[idx].add(u) + u)
+        elif op == "reshape2" and shape2 is not None:
+            steps.append(lambda u: jnp.roll(u.reshape(shape2), 1, axis=1).reshape(-1) * u)
+        elif op == "sum_axis" and shape2 is not None:
+            steps.append(lambda u: jnp.repeat(u.reshape(shape2).sum(0), 2) + u)
+        elif op == "cumsum":
+            steps.append(lambda u: jnp.cumsum(u[:3]).sum() + u)
+        elif op == "conv":
+            k = rng.randn(3)
+            steps.append(lambda u, k=k: jnp.convolve(u, k, mode="same"))
+        elif op == "where":
+            m = rng.rand(n) < 0.5
+            steps.append(lambda u, m=m: jnp.where(m, u, jnp.roll(u, 1)))
+        elif op == "matmul":
+            A = rng.randn(n, n) / n
+            steps.append(lambda u, A=A: A @ u + u)
+        else:
+            continue
+        lines.append(op)
+
+    def fn(u):
+        for step in steps:
+            u = step(u)
+        return u
+
+    return fn, jnp.asarray(rng.randn(n)), " -> ".join(lines)
+
+
+@pytest.mark.parametrize("keep_patterns", [False, True])
+def test_random_stencil_programs(keep_patterns, monkeypatch):
+    if keep_patterns:
+        monkeypatch.setattr(_sparsity, "DENSE_FRACTION", np.inf)
+    programs = [_random_stencil_program(seed) for seed in range(40)]
+
+    @jax.jit
+    def run(xs):
+        return [
+            (dl.materialise(fn, x, mode=mode), jax.jacfwd(fn)(x))
+            for (fn, _, _), x, mode in zip(programs, xs, ["forward", "reverse"] * 20)
+        ]
+
+    for (_, _, desc), (actual, expected) in zip(programs, run([p[1] for p in programs])):
+        np.testing.assert_allclose(actual, expected, rtol=1e-10, atol=1e-10, err_msg=desc)
+
+
+# ---- operators and the solver -------------------------------------------------------------
+
+
+def _operators():
+    rng = np.random.RandomState(3)
+    n = 12
+    blocks = jnp.asarray(rng.randn(4, 3, 3) + 3 * np.eye(3))
+    yield dl.BlockDiagonalLinearOperator(blocks)
+    yield dl.BlockDiagonalLinearOperator(
+        blocks,
+        jax.ShapeDtypeStruct((4, 3), blocks.dtype),
+        jax.ShapeDtypeStruct((12,), blocks.dtype),
+    )
+    diags = jnp.asarray(rng.randn(4, n))
+    diags = diags.at[2].add(6.0)
+    yield dl.BandedLinearOperator(diags, (-2, -1, 0, 2))
+    cols = np.stack([np.arange(n), (np.arange(n) + 5) % n, (np.arange(n) * 7) % n])
+    values = jnp.asarray(rng.randn(n, 3)).at[:, 0].add(5.0)
+    yield dl.SparseLinearOperator(values, cols, jax.ShapeDtypeStruct((3, 4), values.dtype))
+
+
+@pytest.mark.parametrize("op", list(_operators()), ids=lambda op: type(op).__name__)
+def test_operator_against_its_matrix(op):
+    A = np.asarray(op.as_matrix())
+    v = jnp.asarray(np.random.RandomState(4).randn(*op.in_structure().shape))
+    np.testing.assert_allclose(op.mv(v).reshape(-1), A @ np.asarray(v).reshape(-1), rtol=1e-12)
+    np.testing.assert_allclose(op.T.as_matrix(), A.T, rtol=1e-12)
+    np.testing.assert_allclose(lx.diagonal(op), np.diag(A), rtol=1e-12)
+    assert lx.materialise(op) is op and lx.linearise(op) is op
+    b = jnp.asarray(np.random.RandomState(5).randn(*op.out_structure().shape))
+    expected = np.linalg.solve(A, np.asarray(b).reshape(-1))
+    solver = dl.StructuredLinearSolver()
+    x = lx.linear_solve(op, b, solver).value
+    assert x.shape == op.in_structure().shape
+    np.testing.assert_allclose(np.asarray(x).reshape(-1), expected, rtol=1e-8, atol=1e-9)
+    # The transposed system, through lineax's transpose of the solver state.
+    state = solver.init(op, {})
+    t_state, _ = solver.transpose(state, {})
+    xt, _, _ = solver.compute(t_state, jnp.reshape(b, op.in_structure().shape), {})
+    np.testing.assert_allclose(
+        np.asarray(xt).reshape(-1),
+        np.linalg.solve(A.T, np.asarray(b).reshape(-1)),
+        rtol=1e-8,
+        atol=1e-9,
+    )
+
+
+def test_solver_on_materialised_operators_and_gradient():
+    x = _input(2 * 6 * 6, jnp.float64)
+
+    def solve(x, fn):
+        op = dl.materialise_operator(lambda y: y - 0.05 * fn(y), x)
+        return lx.linear_solve(op, jnp.cos(x), dl.StructuredLinearSolver()).value
+
+    for name in ("robertson_stack", "brusselator_2d", "gray_scott_2d", "laplacian_pad"):
+        fn, _ = FIELDS[name]
+        n = 2 * 6 * 6 if name != "robertson_stack" else 72
+        y = x[:n]
+        J = jax.jacfwd(lambda y: y - 0.05 * fn(y))(y)
+        expected = np.linalg.solve(J, np.cos(y))
+        np.testing.assert_allclose(jax.jit(solve, static_argnums=1)(y, fn), expected, rtol=1e-7)
+    # Differentiable, as any lineax solve.
+    fn = FIELDS["brusselator_2d"][0]
+    g = jax.grad(lambda x: jnp.sum(solve(x, fn) ** 2))(x)
+    g_ref = jax.grad(
+        lambda x: jnp.sum(
+            jnp.linalg.solve(jax.jacfwd(lambda y: y - 0.05 * fn(y))(x), jnp.cos(x)) ** 2
+        )
+    )(x)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-6)
+
+
+def test_operator_errors():
+    with pytest.raises(ValueError, match="BlockDiagonalLinearOperator"):
+        dl.BlockDiagonalLinearOperator(jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="BandedLinearOperator"):
+        dl.BandedLinearOperator(jnp.ones((2, 4)), (0,))
+    with pytest.raises(ValueError, match="SparseLinearOperator"):
+        dl.SparseLinearOperator(
+            jnp.ones((3, 1)), np.array([[0, 1, 5]]), jax.ShapeDtypeStruct((3,), jnp.float64)
+        )
+    with pytest.raises(ValueError, match="StructuredLinearSolver"):
+        dl.StructuredLinearSolver(rtol=-1.0)
+    with pytest.raises(ValueError, match="square"):
+        op = dl.SparseLinearOperator(
+            jnp.ones((2, 1)), np.array([[0, 1]]), jax.ShapeDtypeStruct((3,), jnp.float64)
+        )
+        lx.linear_solve(op, jnp.ones(2), dl.StructuredLinearSolver())
