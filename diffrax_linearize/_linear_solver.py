@@ -82,8 +82,17 @@ class _Krylov(_State):
     gmres: lx.GMRES
 
     def solve(self, vector, options):
+        # GMRES iterates in the input's structure: an output of another shape (same size)
+        # is read as one of the input's.
+        structure = self.operator.in_structure()
+        op = self.operator
+        if op.out_structure() != structure:
+            op = lx.FunctionLinearOperator(
+                lambda v: jnp.reshape(self.operator.mv(v), structure.shape), structure
+            )
+        vector = jnp.reshape(vector, structure.shape)
         opts = {"preconditioner": self.preconditioner, **options}
-        state = self.gmres.init(self.operator, opts)
+        state = self.gmres.init(op, opts)
         return self.gmres.compute(state, vector, opts)
 
 
