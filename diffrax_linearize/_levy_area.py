@@ -211,7 +211,15 @@ def sample_iterated_integrals(
 ) -> IteratedIntegrals:
     r"""As [`diffrax_linearize.sample_levy_area`][], returning the increment and its
     area together as an [`diffrax_linearize.IteratedIntegrals`][] (whose `ito()` and
-    `stratonovich()` give the matrices $I$ and $J$)."""
+    `stratonovich()` give the matrices $I$ and $J$).
+
+    **Arguments:** `key`, `dW`, `dt`, `n_terms`, `method` as for
+    [`diffrax_linearize.sample_levy_area`][].
+
+    **Returns:**
+
+    `IteratedIntegrals(dt=dt, W=dW, A=sample_levy_area(key, dW, dt, n_terms, method=method))`.
+    """
     area = sample_levy_area(key, dW, dt, n_terms, method=method)
     return IteratedIntegrals(dt=dt, W=jnp.asarray(dW), A=area)
 
