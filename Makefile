@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-latest bench docs lint clean
+.PHONY: demo test test-latest bench docs chromium check-wheel lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,10 +37,24 @@ test-latest:
 	.venv-latest/bin/python -c "import jax; print('jax', jax.__version__)"
 	.venv-latest/bin/python -m pytest -q
 
-docs: $(STAMP)
+# The site, then the checks on it (tests/test_site.py): every public name described, no
+# network requests, and the maths typeset offline in a headless Chromium (screenshot in
+# build/docs-check/).
+docs: $(STAMP) chromium
 	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
 	$(PY) -m benchmarks.report
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	mkdir -p build/docs-check
+	DOCS_SITE=site DOCS_SCREENSHOT=build/docs-check/maths.png \
+		$(PY) -m pytest -q -o addopts="" -m "not slow" tests/test_site.py
+
+# Debian's Chromium for the browser check, installed when missing and we are root (as CI
+# is); otherwise that check is skipped and says why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	  >/dev/null; } || echo "No Chromium (apt-get install chromium): the browser check is skipped."
 
 clean:
-	rm -rf $(VENV) .venv-latest site .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest site build .pytest_cache .ruff_cache

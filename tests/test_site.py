@@ -27,6 +27,8 @@ import pytest
 
 
 ROOT = pathlib.Path(__file__).parent.parent
+# A maths-heavy page for the browser check: the solvers' step formulas and integrals.
+MATHS_PAGE = "api/solvers"
 
 pytest.importorskip("mkdocs", reason="the docs extras are not installed (`make docs` has them)")
 
@@ -287,13 +289,13 @@ def test_maths_renders_offline_in_a_headless_browser(site, tmp_path):
             "no Chromium found: install Debian's `chromium` (`apt-get install chromium`; "
             "`make docs` does when it runs as root) to check the maths in a real browser"
         )
-    screenshot = pathlib.Path(os.environ.get("DOCS_SCREENSHOT", tmp_path / "milstein.png"))
+    screenshot = pathlib.Path(os.environ.get("DOCS_SCREENSHOT", tmp_path / "maths.png"))
     with _serve(site) as url:
-        dom = _chromium(browser, f"{url}/milstein/", "--dump-dom")
-        shot = _chromium(browser, f"{url}/milstein/", f"--screenshot={screenshot}")
+        dom = _chromium(browser, f"{url}/{MATHS_PAGE}/", "--dump-dom")
+        shot = _chromium(browser, f"{url}/{MATHS_PAGE}/", f"--screenshot={screenshot}")
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert shot.returncode == 0 and screenshot.is_file(), shot.stderr[-2000:]
     typeset = dom.stdout.count("<mjx-container")
     raw = re.findall(r"\\\(|\\\[", html.unescape(re.sub(r"<script.*?</script>", "", dom.stdout)))
-    assert typeset >= 5, f"MathJax typeset {typeset} formulas on docs/milstein.md"
-    assert not raw, f"{len(raw)} formulas left as raw LaTeX on docs/milstein.md"
+    assert typeset >= 5, f"MathJax typeset {typeset} formulas on {MATHS_PAGE}"
+    assert not raw, f"{len(raw)} formulas left as raw LaTeX on {MATHS_PAGE}"
