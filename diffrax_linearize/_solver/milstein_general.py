@@ -159,11 +159,23 @@ class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
     only: for adaptive steps the areas of a step that is halved are not Chen-consistent
     with those of the halves.
 
+    For example, with the non-commutative noise $g(y)_{:, j} = A_j y$:
+
     ```python
-    bm = diffrax.VirtualBrownianTree(t0, t1, tol=dt / 2, shape=(m,), key=key)
+    import diffrax
+    import jax
+    import jax.numpy as jnp
+    import diffrax_linearize
+
+    d, m, dt = 2, 3, 0.01
+    A = jax.random.normal(jax.random.key(0), (m, d, d))
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=dt / 2, shape=(m,), key=jax.random.key(1))
     path = diffrax_linearize.LevyAreaBrownianPath(bm, dt=dt)
-    terms = diffrax.MultiTerm(diffrax.ODETerm(f), diffrax.ControlTerm(g, path))
-    diffrax.diffeqsolve(terms, diffrax_linearize.GeneralItoMilstein(), t0, t1, dt, y0)
+    drift = diffrax.ODETerm(lambda t, y, args: -y)
+    diffusion = diffrax.ControlTerm(lambda t, y, args: jnp.einsum("jik,k->ij", A, y), path)
+    terms = diffrax.MultiTerm(drift, diffusion)
+    solver = diffrax_linearize.GeneralItoMilstein()
+    sol = diffrax.diffeqsolve(terms, solver, 0.0, 1.0, dt, jnp.ones(d))
     ```
     """
 
@@ -231,13 +243,8 @@ class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
     only: for adaptive steps the areas of a step that is halved are not Chen-consistent
     with those of the halves.
 
-    ```python
-    bm = diffrax.VirtualBrownianTree(t0, t1, tol=dt / 2, shape=(m,), key=key)
-    path = diffrax_linearize.LevyAreaBrownianPath(bm, dt=dt)
-    terms = diffrax.MultiTerm(diffrax.ODETerm(f), diffrax.ControlTerm(g, path))
-    solver = diffrax_linearize.GeneralStratonovichMilstein()
-    diffrax.diffeqsolve(terms, solver, t0, t1, dt, y0)
-    ```
+    Used exactly as in the example of [`diffrax_linearize.GeneralItoMilstein`][], with
+    `solver = diffrax_linearize.GeneralStratonovichMilstein()`.
     """
 
     method: ContractionMethod = eqx.field(default="auto", static=True)
