@@ -155,3 +155,26 @@ def test_side_by_side_table(tmp_path, monkeypatch):
     # One machine only: no side-by-side table.
     (tmp_path / "materialise-gpu-nvidia-h200.json").unlink()
     assert "Side by side" not in report.render()
+
+
+def test_readme_and_benchmarks_page_are_generated_from_the_json():
+    # `python -m benchmarks.report` writes both: they must match the recorded results.
+    from benchmarks import report
+
+    assert report.update_readme(report.README.read_text()) == report.README.read_text(), (
+        "README.md's measured table is stale: run `python -m benchmarks.report`"
+    )
+    assert report.render() == report.DOCS.read_text(), (
+        "docs/benchmarks.md is stale: run `python -m benchmarks.report`"
+    )
+
+
+def test_noisy_work_precision_timings_are_flagged():
+    from benchmarks.work_precision import noisy_points
+
+    def rows(times):
+        return [dict(m=50, method="x", steps=2**k, run_s=t) for k, t in enumerate(times, 2)]
+
+    # Time per step constant, then one run twice as slow per step as the one before it.
+    assert noisy_points(rows([4e-3, 8e-3, 16e-3, 64e-3])) == {(50, "x", 32): 2.0}
+    assert noisy_points(rows([4e-3, 8e-3, 16e-3, 32e-3])) == {}
