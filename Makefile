@@ -56,5 +56,19 @@ chromium:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
 	  >/dev/null; } || echo "No Chromium (apt-get install chromium): the browser check is skipped."
 
+# The wheel as a user gets it: built from a clean copy, its metadata checked, installed with
+# its dependencies into a fresh virtual environment, imported there from outside the clone.
+WHEEL_DIR := build/wheel
+check-wheel: $(STAMP)
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
+	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_DIR) .
+	$(PY) tests/check_wheel.py $(WHEEL_DIR)/diffrax_linearize-*.whl
+	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install -q -c constraints.txt $(WHEEL_DIR)/diffrax_linearize-*.whl
+	cd $(WHEEL_DIR) && venv/bin/python -c "import diffrax_linearize as dl, pathlib; \
+		assert (pathlib.Path(dl.__file__).parent / 'py.typed').is_file(); \
+		assert 'site-packages' in dl.__file__, dl.__file__; \
+		print('import diffrax_linearize', dl.__version__, 'from', dl.__file__)"
+
 clean:
 	rm -rf $(VENV) .venv-latest site build .pytest_cache .ruff_cache

@@ -178,3 +178,10 @@ def test_noisy_work_precision_timings_are_flagged():
     # Time per step constant, then one run twice as slow per step as the one before it.
     assert noisy_points(rows([4e-3, 8e-3, 16e-3, 64e-3])) == {(50, "x", 32): 2.0}
     assert noisy_points(rows([4e-3, 8e-3, 16e-3, 32e-3])) == {}
+
+
+def test_readme_opens_with_the_two_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert lines[:2] == ["# diffrax_linearize", ""] and lines[2] == "```bash"
+    assert lines[3].startswith("make demo") and lines[4].startswith("make test")
+    assert "## Install" in (ROOT / "README.md").read_text()
