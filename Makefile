@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-latest bench docs lint clean
+.PHONY: demo test test-latest bench docs chromium check-wheel lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,10 +37,38 @@ test-latest:
 	.venv-latest/bin/python -c "import jax; print('jax', jax.__version__)"
 	.venv-latest/bin/python -m pytest -q
 
-docs: $(STAMP)
+# The site, then the checks on it (tests/test_site.py): every public name described, no
+# network requests, and the maths typeset offline in a headless Chromium (screenshot in
+# build/docs-check/).
+docs: $(STAMP) chromium
 	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
 	$(PY) -m benchmarks.report
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	mkdir -p build/docs-check
+	DOCS_SITE=site DOCS_SCREENSHOT=build/docs-check/maths.png \
+		$(PY) -m pytest -q -o addopts="" -m "not slow" tests/test_site.py
+
+# Debian's Chromium for the browser check, installed when missing and we are root (as CI
+# is); otherwise that check is skipped and says why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	  >/dev/null; } || echo "No Chromium (apt-get install chromium): the browser check is skipped."
+
+# The wheel as a user gets it: built from a clean copy, its metadata checked, installed with
+# its dependencies into a fresh virtual environment, imported there from outside the clone.
+WHEEL_DIR := build/wheel
+check-wheel: $(STAMP)
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
+	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_DIR) .
+	$(PY) tests/check_wheel.py $(WHEEL_DIR)/diffrax_linearize-*.whl
+	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install -q -c constraints.txt $(WHEEL_DIR)/diffrax_linearize-*.whl
+	cd $(WHEEL_DIR) && venv/bin/python -c "import diffrax_linearize as dl, pathlib; \
+		assert (pathlib.Path(dl.__file__).parent / 'py.typed').is_file(); \
+		assert 'site-packages' in dl.__file__, dl.__file__; \
+		print('import diffrax_linearize', dl.__version__, 'from', dl.__file__)"
 
 clean:
-	rm -rf $(VENV) .venv-latest site .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest site build .pytest_cache .ruff_cache

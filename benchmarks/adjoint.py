@@ -124,11 +124,11 @@ def run(quick: bool = False) -> list[dict]:
     ]
     print(markdown_table(rows, columns))
     print(f"\nresults: {write_results('adjoint', rows, steps=steps, dtype='float32')}")
-    _plot(rows)
+    plot(rows)
     return rows
 
 
-def _plot(rows: list[dict]) -> None:
+def plot(rows: list[dict], out=None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,7 +136,8 @@ def _plot(rows: list[dict]) -> None:
 
     sizes = sorted({r["d"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{s}\nd={d}" for d in sizes for s in _SOLVERS]
+    short = {"StratonovichMilstein": "Stratonovich-\nMilstein"}
+    labels = [f"{short.get(s, s)}\nd={d}" for d in sizes for s in _SOLVERS]
     width = 0.8 / len(_ADJOINTS)
     for k, adjoint_name in enumerate(_ADJOINTS):
         times, mems = [], []
@@ -161,7 +162,7 @@ def _plot(rows: list[dict]) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle("Backsolve adjoints (missing bars: unsupported)")
     fig.tight_layout()
-    fig.savefig(plot_path("adjoint"), dpi=120)
+    fig.savefig(out or plot_path("adjoint"), dpi=120)
 
 
 if __name__ == "__main__":

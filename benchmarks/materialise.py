@@ -151,7 +151,7 @@ def run(quick: bool = False) -> list[dict]:
     for key, value in ratios.items():
         print(f"- {key}: {value:.3g}" if value is not None else f"- {key}: —")
     path = write_results("materialise", rows, ratios=ratios, quick=quick)
-    _plot(rows, sizes)
+    plot(rows)
     print(f"\nResults: {path}\nPlot: {plot_path('materialise')}")
     return rows
 
@@ -191,7 +191,8 @@ def _ratios(rows, sizes, first_n):
     }
 
 
-def _plot(rows, sizes):
+def plot(rows, out=None):
+    sizes = sorted({r["N"] for r in rows if r["problem"] == "A @ x"})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, problem in zip(axes, ["A @ x", "B @ tanh(A @ x)"]):
         methods = dict.fromkeys(r["method"] for r in rows if r["problem"] == problem)
@@ -208,7 +209,7 @@ def _plot(rows, sizes):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(plot_path("materialise"), dpi=120)
+    fig.savefig(out or plot_path("materialise"), dpi=120)
     plt.close(fig)
 
 

@@ -177,7 +177,7 @@ def run(quick: bool = False) -> list[dict]:
     print()
     print(markdown_table(rows, _COLUMNS))
     write_results(NAME, rows, quick=quick)
-    _plot(rows)
+    plot(rows)
     return rows
 
 
@@ -194,7 +194,7 @@ _COLUMNS = [
 ]
 
 
-def _plot(rows):
+def plot(rows, out=None):
     groups = sorted({(r["model"], r["B"]) for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -213,9 +213,11 @@ def _plot(rows):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], labels)
         ax.set_yscale("log")
         ax.set_title(title)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(plot_path(NAME), dpi=120)
+    # Below the bars, not over them.
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(out or plot_path(NAME), dpi=120)
     plt.close(fig)
 
 

@@ -179,6 +179,27 @@ def _cost_at(errors, costs, target=TARGET):
     return float(np.exp(intercept + slope * lt)), True
 
 
+# A run whose time per step is this many times that of the run with half as many steps
+# is marked noisy: a method's cost per step does not grow with the number of steps (the
+# Fourier terms of the Lévy areas grow like the square root, well under this).
+NOISY_JUMP = 1.5
+
+
+def noisy_points(rows: list[dict]) -> dict[tuple, float]:
+    """`(m, method, steps) -> jump` for each timing whose time per step is more than
+    `NOISY_JUMP` times that of the same method at half the steps: a timing disturbed by
+    something else running, to be re-measured."""
+    by_case = {(r["m"], r["method"], r["steps"]): r for r in rows if r.get("run_s")}
+    noisy = {}
+    for (m, method, steps), r in by_case.items():
+        half = by_case.get((m, method, steps // 2))
+        if half is not None and steps % 2 == 0:
+            jump = (r["run_s"] / steps) / (half["run_s"] / half["steps"])
+            if jump > NOISY_JUMP:
+                noisy[(m, method, steps)] = jump
+    return noisy
+
+
 def run(quick: bool = False, ms: list[int] | None = None) -> list[dict]:
     if ms is None:
         ms = [2, 10] if quick else [2, 10, 50]
@@ -249,29 +270,44 @@ def run(quick: bool = False, ms: list[int] | None = None) -> list[dict]:
     )
     path = write_results("work_precision", rows, summary=summary, quick=quick, d=D, n_fine=N_FINE)
     print(f"\nwrote {path}")
-    _plot(rows, ms)
+    plot(rows)
     return rows
 
 
-def _plot(rows, ms):
+def plot(rows, out=None):
+    """The work-precision plot of `rows` (as recorded in the JSON), noisy timings ringed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    ms = sorted({r["m"] for r in rows})
+    noisy = noisy_points(rows)
     fig, axes = plt.subplots(1, len(ms), figsize=(5 * len(ms), 4.2), squeeze=False)
     for ax, m in zip(axes[0], ms):
         for name in _methods():
             sel = [r for r in rows if r["m"] == m and r["method"] == name]
             ax.loglog([r["run_s"] for r in sel], [r["rms_error"] for r in sel], "o-", label=name)
+        bad = [r for r in rows if r["m"] == m and (m, r["method"], r["steps"]) in noisy]
+        if bad:
+            ax.loglog(
+                [r["run_s"] for r in bad],
+                [r["rms_error"] for r in bad],
+                "o",
+                ms=14,
+                mfc="none",
+                mec="red",
+                label=f"noisy timing (> {NOISY_JUMP}x the time per step at half the steps)",
+            )
         ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
         ax.set_title(f"d = {D}, m = {m}, non-commutative linear noise")
         ax.set_xlabel("wall time per path (s)")
         ax.set_ylabel("RMS error at t = 1")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+        if bad or ax is axes[0][0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    out = plot_path("work_precision")
+    out = out or plot_path("work_precision")
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
 

@@ -21,7 +21,14 @@ from ._structure import Struct
 
 
 class Lin:
-    """A linear value: one structured Jacobian block per input leaf (absent means zero)."""
+    """A linear value: one structured Jacobian block per input leaf (absent means zero).
+
+    **Arguments:**
+
+    - `blocks`: a dict from the index of an input leaf to the
+        [`Struct`][diffrax_linearize.internal.Struct] of this value with respect to it.
+    - `shape`, `dtype`: the shape and dtype of the value.
+    """
 
     __slots__ = ("blocks", "shape", "dtype")
 
@@ -38,7 +45,14 @@ class Lin:
 @dataclasses.dataclass
 class Context:
     """What the interpreter needs besides the values: the input leaves' shapes, and a record
-    of the primitives that lost structure."""
+    of the primitives that lost structure.
+
+    **Arguments:**
+
+    - `in_shapes`: the shape of each input leaf, in order.
+    - `densified`: filled in by `record`: how many equations of each primitive took the
+        dense fallback (what `materialise(..., strict=True)` reports).
+    """
 
     in_shapes: list[tuple[int, ...]]
     densified: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -70,10 +84,15 @@ def register_rule(*prims):
 
 
 def lookup_rule(primitive) -> Rule | None:
+    """The rule registered for `primitive` (a `jax.extend.core.Primitive`) with
+    [`register_rule`][diffrax_linearize.internal.register_rule], or `None`: then the
+    equation takes the exact [`dense_fallback`][diffrax_linearize.internal.dense_fallback]."""
     return _RULES.get(primitive)
 
 
 def registered_primitives() -> list[str]:
+    """The names of all primitives that have a structure rule, sorted: those not listed take
+    the exact dense fallback."""
     return sorted(str(p) for p in _RULES)
 
 
@@ -144,7 +163,16 @@ def eval_jaxpr(jaxpr, consts, invals, apply_eqn: Callable[[object, list], list])
 
 def interpret(ctx: Context, jaxpr, consts, invals) -> list:
     """Evaluate `jaxpr` on `invals`, each a [`Lin`][diffrax_linearize.internal.Lin] or a
-    constant."""
+    constant: constant equations as usual, the others by their structure rules.
+
+    **Arguments:**
+
+    - `ctx`: the [`Context`][diffrax_linearize.internal.Context] of the interpretation.
+    - `jaxpr`, `consts`: a `jax.extend.core.Jaxpr` and the values of its constvars.
+    - `invals`: one value per invar of `jaxpr`.
+
+    **Returns:** one value per outvar, each a `Lin` or a constant array.
+    """
 
     def apply_eqn(eqn, vals):
         if any(isinstance(x, Lin) for x in vals):
@@ -192,7 +220,12 @@ def _subjaxprs(eqn):
 def dense_fallback(ctx: Context, eqn, vals) -> list:
     """The exact fallback for any equation: for each input leaf, the dense Jacobians of the
     linear inputs are pushed through the equation with `jax.vmap` over the leaf's basis,
-    which is exact because the equation is linear in its linear inputs."""
+    which is exact because the equation is linear in its linear inputs.
+
+    **Arguments:** `ctx`, `eqn` (a `jax.extend.core.JaxprEqn`) and `vals` (its inputs, each a
+    [`Lin`][diffrax_linearize.internal.Lin] or a constant), as a rule receives them; returns
+    one value per output, as a rule does.
+    """
     ctx.record(str(eqn.primitive))
     is_lin = linear_outputs(eqn, vals)
     outs: list = [None] * len(eqn.outvars)

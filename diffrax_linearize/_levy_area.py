@@ -1,53 +1,7 @@
-r"""Simulation of the iterated stochastic integrals of a multidimensional Brownian motion.
-
-Over a step $[t_0, t_0 + h]$ of an $m$-dimensional Brownian motion $W$ the iterated Itô
-integrals are $I_{j_1 j_2} = \int_{t_0}^{t_0 + h} (W_{j_1}(s) - W_{j_1}(t_0))\,
-\mathrm{d}W_{j_2}(s)$. All of them follow from the increment $\Delta W$ and the Lévy area
-$A_{j_1 j_2} = \tfrac{1}{2}(I_{j_1 j_2} - I_{j_2 j_1})$:
-
-$$I_{j_1 j_2} = \tfrac{1}{2}(\Delta W_{j_1} \Delta W_{j_2} - \delta_{j_1 j_2} h)
-+ A_{j_1 j_2}, \qquad J_{j_1 j_2} = I_{j_1 j_2} + \tfrac{1}{2}\delta_{j_1 j_2} h,$$
-
-($J$ the Stratonovich integrals). Only $A$ has to be simulated, conditionally on
-$\Delta W$. We use the Fourier series of the Brownian bridge (Kloeden, Platen and Wright
-1992): with $w = \Delta W / \sqrt{h}$ and independent standard normal $X_r, Y_r \in
-\mathbb{R}^m$,
-
-$$A_{ij} = \frac{h}{2\pi} \sum_{r \ge 1} \frac{1}{r}\bigl(X_{r,i} U_{r,j} -
-X_{r,j} U_{r,i}\bigr), \qquad U_r = Y_r - \sqrt{2}\, w,$$
-
-exactly in law. Truncating after $p$ terms leaves a tail whose conditional covariance
-given $\Delta W$ is known in closed form: $\psi_p = \sum_{r > p} r^{-2}$ times that of a
-single term, $2\delta + 2(w \otimes w \text{ terms})$. Mrongowius and Rößler (2022)
-replace the tail by a Gaussian with exactly this covariance, which takes only $m$ extra
-normals $\Psi$ and one antisymmetric matrix $G$ of normals:
-
-$$\text{tail} \approx \frac{h}{2\pi} \sqrt{2 \psi_p}\,\bigl(w_i \Psi_j - w_j \Psi_i
-+ G_{ij}\bigr).$$
-
-Error and cost, per step of size $h$ with $m$ channels and $p$ terms:
-
-- `"mrongowius-roessler"` (default): $\max_{ij} \|A_{ij} - \hat A_{ij}\|_{L^2} \le
-  \sqrt{m}\, h / (\sqrt{12}\, \pi\, p)$ (the bound of Mrongowius and Rößler 2022, as
-  used by LevyArea.jl to choose $p$), so
-  $p \ge \sqrt{m / (12 h)} / \pi$ terms give the $O(h^{3/2})$ that a strong order one
-  scheme needs: $p \propto h^{-1/2}$. The conditional covariance given $\Delta W$ is exact
-  for every $p$, including $p = 0$ (a pure Gaussian approximation).
-- `"fourier"`: the truncated series alone, error $\approx 0.39\, h / \sqrt{p}$ per entry
-  (the tail's standard deviation), so $p \propto h^{-1}$ terms are needed; the
-  conditional variance is too small by the factor $1 - 6\psi_p / \pi^2$. Kept as a
-  reference and for comparison.
-
-Both cost $2 m p + O(m^2)$ normal samples and one $m \times p$ by $p \times m$ matrix
-product: $O(m^2 p)$ flops, $O(m^2 + m p)$ memory.
-
-The areas are sampled independently per step, conditionally on the increment: for a
-solver on a fixed grid this is the exact joint law (areas over disjoint intervals are
-conditionally independent given the grid values), but areas over $[t_0, t_2]$ and over
-$[t_0, t_1], [t_1, t_2]$ are not related by Chen's relation. For convergence studies
-that compare grids, sample on the finest grid and use
-[`diffrax_linearize.GridLevyAreaPath`][], which evaluates coarser steps through Chen's
-relation.
+r"""Simulation of the iterated stochastic integrals of a multidimensional Brownian motion:
+only the Lévy area has to be simulated, conditionally on the increment. The algorithm
+(the Fourier series of the Brownian bridge with the tail correction of Mrongowius and
+Rößler) and its error are explained in `docs/devdocs/levy_area.md`.
 """
 
 import math
@@ -148,9 +102,8 @@ def sample_levy_area(
 ) -> Float[Array, "m m"]:
     r"""Sample the Lévy area of a step of an $m$-dimensional Brownian motion, conditionally
     on its increment, by the truncated Fourier series of the Brownian bridge with (by
-    default) the Gaussian tail-sum correction of Mrongowius and Rößler. See the module
-    notes of [`diffrax_linearize.LevyAreaBrownianPath`][] for the algorithm and its
-    error.
+    default) the Gaussian tail-sum correction of Mrongowius and Rößler. The algorithm and
+    its error are explained in [Simulating Lévy areas](../devdocs/levy_area.md).
 
     **Arguments:**
 
@@ -211,7 +164,15 @@ def sample_iterated_integrals(
 ) -> IteratedIntegrals:
     r"""As [`diffrax_linearize.sample_levy_area`][], returning the increment and its
     area together as an [`diffrax_linearize.IteratedIntegrals`][] (whose `ito()` and
-    `stratonovich()` give the matrices $I$ and $J$)."""
+    `stratonovich()` give the matrices $I$ and $J$).
+
+    **Arguments:** `key`, `dW`, `dt`, `n_terms`, `method` as for
+    [`diffrax_linearize.sample_levy_area`][].
+
+    **Returns:**
+
+    `IteratedIntegrals(dt=dt, W=dW, A=sample_levy_area(key, dW, dt, n_terms, method=method))`.
+    """
     area = sample_levy_area(key, dW, dt, n_terms, method=method)
     return IteratedIntegrals(dt=dt, W=jnp.asarray(dW), A=area)
 
@@ -258,14 +219,9 @@ class LevyAreaBrownianPath(AbstractBrownianPath):
     Chen's relation (see [`diffrax_linearize.GridLevyAreaPath`][] for that).
 
     Use with [`diffrax_linearize.GeneralItoMilstein`][] or
-    [`diffrax_linearize.GeneralStratonovichMilstein`][]:
-
-    ```python
-    bm = diffrax.VirtualBrownianTree(t0, t1, tol=dt / 2, shape=(m,), key=key)
-    path = diffrax_linearize.LevyAreaBrownianPath(bm, dt=dt)
-    terms = diffrax.MultiTerm(diffrax.ODETerm(f), diffrax.ControlTerm(g, path))
-    diffrax.diffeqsolve(terms, diffrax_linearize.GeneralItoMilstein(), t0, t1, dt, y0)
-    ```
+    [`diffrax_linearize.GeneralStratonovichMilstein`][] (there is an example in the
+    former's documentation):
+    `diffrax.ControlTerm(g, diffrax_linearize.LevyAreaBrownianPath(bm, dt=dt))`.
     """
 
     bm: AbstractBrownianPath

@@ -2,7 +2,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import equinox as eqx
 import jax
@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
 from ._compat import bind_eqn, dce_jaxpr, prim
+from ._custom_types import MaterialiseMode
 from ._interpreter import Context, eval_jaxpr, evaluate_known, interpret, known, Lin
 from ._operators import sparse_operator
 from ._structure import Struct
@@ -389,12 +390,15 @@ def _trace(fn, args, argnums, holomorphic, api):
     return closed, diff_leaves, other_leaves, diff_tree, out_tree
 
 
-_MODES = ("auto", "forward", "reverse")
+_MODES = get_args(MaterialiseMode)
+_LINEAX_JAC = {"fwd": "forward", "bwd": "reverse"}
 
 
 def _check_mode(mode, api):
     if mode not in _MODES:
-        raise ValueError(f"`{api}`: `mode` must be one of {_MODES}, got {mode!r}.")
+        ours = _LINEAX_JAC.get(mode)
+        hint = f" (lineax's `jac={mode!r}` is `mode={ours!r}` here)" if ours else ""
+        raise ValueError(f"`{api}`: `mode` must be one of {_MODES}, got {mode!r}{hint}.")
 
 
 @functools.singledispatch
@@ -403,7 +407,7 @@ def materialise(
     *args: Any,
     argnums: int | Sequence[int] = 0,
     holomorphic: bool = False,
-    mode: str = "auto",
+    mode: MaterialiseMode = "auto",
     strict: bool = False,
 ):
     """The Jacobian of `fn` at `args`, as `jax.jacfwd(fn, argnums)(*args)` returns it, computed
@@ -424,8 +428,8 @@ def materialise(
     cached on the text of the jaxpr, so an un-jitted call does not compile the closed-over
     arrays into the program, and a repeated call does not recompile.
 
-    Also accepts a `diffrax.AbstractTerm` as first argument: see
-    the Diffrax terms API (`materialise(term, t, y, args)`).
+    Also accepts a `diffrax.AbstractTerm` as first argument, `materialise(term, t, y, args)`:
+    see [Diffrax terms](terms.md).
 
     **Arguments:**
 
@@ -433,8 +437,10 @@ def materialise(
     - `*args`: the arguments; those named by `argnums` must be pytrees of floating arrays.
     - `argnums`: an int or a tuple of ints, as for `jax.jacfwd`.
     - `holomorphic`: as for `jax.jacfwd`: complex inputs and outputs, complex-linear `fn`.
-    - `mode`: `"forward"`, `"reverse"`, or `"auto"` (reverse when the outputs are smaller
-      than the inputs, as one would choose between `jax.jacfwd` and `jax.jacrev`).
+    - `mode`: `"forward"`, `"reverse"`, or `"auto"` (the default: reverse when the outputs
+      are smaller than the inputs, as one would choose between `jax.jacfwd` and
+      `jax.jacrev`). These are lineax's `jac="fwd"` and `jac="bwd"`; the result is the
+      same either way, up to rounding.
     - `strict`: raise a `ValueError` naming every primitive that took the dense fallback.
 
     **Returns:**
@@ -483,7 +489,7 @@ def materialise_operator(
     fn: Callable,
     *args: Any,
     argnums: int = 0,
-    mode: str = "auto",
+    mode: MaterialiseMode = "auto",
     strict: bool = False,
 ) -> lx.AbstractLinearOperator:
     """The Jacobian of `fn` at `args` as a `lineax.AbstractLinearOperator` that keeps the
@@ -556,11 +562,12 @@ def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     return lx.PyTreeLinearOperator(jac, out_struct)
 
 
-def structured_blocks(fn: Callable, *args, mode: str = "forward"):
+def structured_blocks(fn: Callable, *args, mode: MaterialiseMode = "forward"):
     """For use inside a trace (a solver step): the structured Jacobian of `fn` with respect
     to its first argument, as `(blocks, in_tree, out_tree)` where `blocks[q][p]` is the
     [`diffrax_linearize.internal.Struct`][] of output leaf `q` w.r.t. input leaf `p`, or
-    `None` where it is zero. Nothing is compiled separately."""
+    `None` where it is zero. Nothing is compiled separately. `mode` is as for
+    [`diffrax_linearize.materialise`][], but defaults to `"forward"`."""
     api = "diffrax_linearize.internal.structured_blocks"
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, 0, False, api)
     dynamic, static = _split_consts(closed.consts)

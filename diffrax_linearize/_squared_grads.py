@@ -103,7 +103,12 @@ def register_structural_rule(prim: Primitive):
     """Register a structural (one-operand, linear) primitive that a parameter is
     followed through (a decorator). The rule returns whether each output entry comes
     from exactly one input entry with coefficient $\\pm 1$ and each input entry reaches
-    at most one output entry (a signed partial permutation)."""
+    at most one output entry (a signed partial permutation).
+
+    **Arguments:**
+
+    - `prim`: the `jax.extend.core.Primitive` the decorated rule is for.
+    """
 
     def _register(rule):
         _STRUCTURAL_RULES[prim] = rule

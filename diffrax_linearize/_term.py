@@ -16,11 +16,25 @@ import jax.tree_util as jtu
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
+from ._custom_types import MaterialiseMode
 from ._materialise import materialise, materialise_operator, structured_blocks
 from ._structure import contract, place
 
 
 NoiseStructure = Literal["additive", "scalar", "diagonal", "general"]
+"""The noise structures that [`diffrax_linearize.noise_structure`][] tells apart, as the
+type `Literal["additive", "scalar", "diagonal", "general"]`:
+
+- `"additive"`: the diffusion does not depend on the state;
+- `"scalar"`: one noise channel;
+- `"diagonal"`: the diffusion matrix is diagonal (one state array and one control array of
+  the same shape);
+- `"general"`: anything else.
+
+Additive, scalar and diagonal noise (with $g_{ii}$ depending on $y_i$ only) are
+commutative, so [`diffrax_linearize.ItoMilstein`][] converges with strong order one on
+them; for general noise use [`diffrax_linearize.GeneralItoMilstein`][].
+"""
 
 
 def _check_term(term, api: str):
@@ -69,7 +83,7 @@ def _is_holomorphic(control) -> bool:
 
 @materialise.register(diffrax.AbstractTerm)
 def _materialise_term(
-    term: diffrax.AbstractTerm, t, y, args, *, mode: str = "auto", strict: bool = False
+    term: diffrax.AbstractTerm, t, y, args, *, mode: MaterialiseMode = "auto", strict: bool = False
 ):
     """The matrix of the linear map `control -> term.prod(term.vf(t, y, args), control)`, in
     exactly the layout of `jax.jacfwd(lambda c: term.prod(term.vf(t, y, args), c))(control)`
@@ -103,7 +117,7 @@ def _materialise_term(
 
 @materialise_operator.register(diffrax.AbstractTerm)
 def _materialise_operator_term(
-    term: diffrax.AbstractTerm, t, y, args, *, mode: str = "auto", strict: bool = False
+    term: diffrax.AbstractTerm, t, y, args, *, mode: MaterialiseMode = "auto", strict: bool = False
 ):
     """The linear map `control -> term.prod(term.vf(t, y, args), control)` as a `lineax`
     operator keeping its structure: a diagonal vector field gives a
@@ -188,7 +202,8 @@ def is_additive_noise(term: diffrax.AbstractTerm, t, y, args) -> bool:
 
 
 def is_scalar_noise(term: diffrax.AbstractTerm, t, y, args) -> bool:
-    """Whether the control of `term` has a single element; see
+    """Whether the control of `term` has a single element, that is whether
+    `noise_structure(term, t, y, args) == "scalar"`; see
     [`diffrax_linearize.noise_structure`][]."""
     return noise_structure(term, t, y, args) == "scalar"
 

@@ -1003,3 +1003,11 @@ def test_structured_without_fallback(name, fn, mode):
     for x in (jnp.linspace(-1.0, 2.0, 6), -jnp.linspace(-1.0, 2.0, 6)):
         out = jax.jit(lambda x: dl.materialise(fn, x, mode=mode, strict=True))(x)
         assert_tree_allclose(out, jax.jacfwd(fn)(x))
+
+
+@pytest.mark.parametrize("lineax_jac, ours", [("fwd", "forward"), ("bwd", "reverse")])
+def test_mode_error_names_lineax_spelling(lineax_jac, ours):
+    with pytest.raises(ValueError, match=f"`jac='{lineax_jac}'` is `mode='{ours}'`"):
+        dl.materialise(lambda x: 2 * x, jnp.ones(3), mode=lineax_jac)
+    with pytest.raises(ValueError, match="must be one of"):
+        dl.materialise_operator(lambda x: 2 * x, jnp.ones(3), mode="sideways")

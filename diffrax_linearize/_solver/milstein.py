@@ -236,16 +236,6 @@ class MilsteinCommon:
         return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
 
 
-_INIT_DOC = """**Arguments:**
-
-- `check_commutativity`: if `True`, at every step compute
-    $L^{j_1} g_{:, j_2} - L^{j_2} g_{:, j_1}$ numerically (one JVP per noise channel,
-    and an $m \\times m \\times d$ tensor) and raise an error, through
-    `equinox.error_if`, if it is not zero up to a relative tolerance of
-    $\\sqrt{\\varepsilon}$ of the floating-point type. Expensive: for debugging.
-"""
-
-
 class ItoMilstein(MilsteinCommon, AbstractItoSolver):
     r"""Milstein's method; Itô version. Converges to the Itô solution, with strong
     order 1 on commutative noise. Uses local linear interpolation for dense/ts output.
@@ -272,7 +262,7 @@ class ItoMilstein(MilsteinCommon, AbstractItoSolver):
         unless `check_commutativity=True`.
 
     This should be called with `terms=MultiTerm(drift_term, diffusion_term)`, where the
-    drift is an `diffrax.ODETerm`. It is a drop-in replacement for
+    drift is a `diffrax.ODETerm`. It is a drop-in replacement for
     `diffrax.ItoMilstein`: same term structure, interpolation and orders, and the
     same result on the same Brownian path up to floating-point rounding. Unlike Diffrax
     0.7.2's, it accepts PyTree-valued Brownian motions. For adaptive step sizes, wrap
@@ -282,6 +272,18 @@ class ItoMilstein(MilsteinCommon, AbstractItoSolver):
     check_commutativity: bool = eqx.field(default=False, static=True)
 
     term_structure: ClassVar = _Terms
+
+    def __init__(self, check_commutativity: bool = False):
+        r"""**Arguments:**
+
+        - `check_commutativity`: if `True`, check at every step that the noise commutes:
+            compute $L^{j_1} g_{:, j_2} - L^{j_2} g_{:, j_1}$ numerically (one JVP per
+            noise channel, and an $m \times m \times d$ tensor) and raise an error,
+            through `equinox.error_if`, if it is not zero up to a relative tolerance of
+            $\sqrt{\varepsilon}$ of the floating-point type. Expensive: for debugging.
+            Defaults to `False`: the assumption is not checked.
+        """
+        self.check_commutativity = check_commutativity
 
     def _y1(self, terms, t0, t1, y0, args):
         return _milstein_step(
@@ -314,7 +316,7 @@ class StratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
         checked unless `check_commutativity=True`.
 
     This should be called with `terms=MultiTerm(drift_term, diffusion_term)`, where the
-    drift is an `diffrax.ODETerm`. It is a drop-in replacement for
+    drift is a `diffrax.ODETerm`. It is a drop-in replacement for
     `diffrax.StratonovichMilstein`: same term structure, interpolation and orders,
     and the same result on the same Brownian path up to floating-point rounding. For
     adaptive step sizes, wrap it in `diffrax.HalfSolver`.
@@ -324,11 +326,19 @@ class StratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
 
     term_structure: ClassVar = _Terms
 
+    def __init__(self, check_commutativity: bool = False):
+        r"""**Arguments:**
+
+        - `check_commutativity`: if `True`, check at every step that the noise commutes:
+            compute $L^{j_1} g_{:, j_2} - L^{j_2} g_{:, j_1}$ numerically (one JVP per
+            noise channel, and an $m \times m \times d$ tensor) and raise an error,
+            through `equinox.error_if`, if it is not zero up to a relative tolerance of
+            $\sqrt{\varepsilon}$ of the floating-point type. Expensive: for debugging.
+            Defaults to `False`: the assumption is not checked.
+        """
+        self.check_commutativity = check_commutativity
+
     def _y1(self, terms, t0, t1, y0, args):
         return _milstein_step(
             "StratonovichMilstein", False, self.check_commutativity, terms, t0, t1, y0, args
         )
-
-
-ItoMilstein.__init__.__doc__ = _INIT_DOC
-StratonovichMilstein.__init__.__doc__ = _INIT_DOC

@@ -133,53 +133,82 @@ def _general_milstein_step(
         )
 
 
-_DOC_COMMON = r"""
+class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
+    r"""Milstein's method for general (non-commutative) noise; Itô version.
+    Converges to the Itô solution with strong order one whatever the noise, by
+    using the simulated iterated Itô integrals $I_{j_1 j_2}$ of each step. Uses local
+    linear interpolation for dense/ts output.
 
-    The double sum is evaluated in one of two ways, chosen by `method`:
+    For the SDE $\mathrm{d}y = f(t, y)\,\mathrm{d}t + g(t, y)\,\mathrm{d}W$ with $m$
+    noise channels, one step from $y_0$ over $[t_0, t_1]$ is
 
-    - `"contract"`: materialise $g$ ($d \times m$, with
-      [`diffrax_linearize.materialise`][]) and its state derivative
-      $\partial_k g_{i j}$ ($d \times m \times d$, with
-      [`diffrax_linearize.vf_derivative`][]), then contract
-      $\sum_{j k} \partial_k g_{i j} (g I)_{k j}$: $d m (d + m)$ flops, no $d \times m
-      \times m$ tensor. For a diffusion linear in the state, $g(y)_{:, j} = A_j y$, the
-      structure engine returns the stored $A$ as the derivative with no work, so the
-      step costs little more than an Euler-Maruyama step ($d^2 m$ for $g$ itself).
-    - `"jvp"`: one JVP of $y \mapsto g(y) I_{j_1, :}$ in the direction $g_{:, j_1}$ per
-      channel $j_1$, vectorised: $m$ times the cost of the diffusion (for a dense linear
-      diffusion $d^2 m^2$ flops), but works for any PyTree state and any
-      `diffrax.AbstractTerm.prod`, with nothing materialised.
-    - `"auto"` (default): `"contract"` when the state is one array of shape `(d,)` and
-      $d^2 m \le 2^{24}$, since then it is never more expensive; otherwise `"jvp"`.
+    $$y_1 = y_0 + f \Delta t + g \Delta W + \sum_{j_1, j_2} (L^{j_1} g_{:, j_2})\,
+    I_{j_1 j_2}, \qquad L^{j} = \sum_k g_{k j} \partial_k,$$
+
+    with $f$, $g$ evaluated at $(t_0, y_0)$. The double sum is the only part whose cost
+    depends on the structure of the diffusion; `method` chooses how it is computed (see
+    below).
 
     This should be called with `terms=MultiTerm(drift_term, diffusion_term)`, where the
-    drift is an `diffrax.ODETerm` and the diffusion's control is a
+    drift is a `diffrax.ODETerm` and the diffusion's control is a
     [`diffrax_linearize.LevyAreaBrownianPath`][] (or a
     [`diffrax_linearize.GridLevyAreaPath`][]) of shape `(m,)`: the solver asks it for
-    `evaluate(t0, t1, use_levy=True)`. The strong order is one for any noise, provided the
-    Lévy areas are accurate to $O(h^{3/2})$ in $L^2$ (the default `dt=` rule of
-    `LevyAreaBrownianPath`). Fixed steps only: for adaptive steps the areas of a step that
-    is halved are not Chen-consistent with those of the halves.
-"""
+    `evaluate(t0, t1, use_levy=True)`, an [`diffrax_linearize.IteratedIntegrals`][].
+    The strong order is one for any noise, provided the Lévy areas are accurate to
+    $O(h^{3/2})$ in $L^2$ (what `LevyAreaBrownianPath(bm, dt=dt)` chooses). Fixed steps
+    only: for adaptive steps the areas of a step that is halved are not Chen-consistent
+    with those of the halves.
 
+    For example, with the non-commutative noise $g(y)_{:, j} = A_j y$:
 
-class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
-    __doc__ = (
-        r"""Milstein's method for general (non-commutative) noise; Itô version.
-    Converges to the Itô solution with strong order one whatever the noise, by using the
-    simulated iterated Itô integrals $I_{j_1 j_2}$ of each step. Uses local linear
-    interpolation for dense/ts output.
+    ```python
+    import diffrax
+    import jax
+    import jax.numpy as jnp
+    import diffrax_linearize
 
-    One step is
-    $y_1 = y_0 + f \Delta t + g \Delta W + \sum_{j_1 j_2} (L^{j_1} g_{:, j_2})
-    I_{j_1 j_2}$ with $L^j = \sum_k g_{kj} \partial_k$ and $f, g$ at $(t_0, y_0)$."""
-        + _DOC_COMMON
-    )
+    d, m, dt = 2, 3, 0.01
+    A = jax.random.normal(jax.random.key(0), (m, d, d))
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=dt / 2, shape=(m,), key=jax.random.key(1))
+    path = diffrax_linearize.LevyAreaBrownianPath(bm, dt=dt)
+    drift = diffrax.ODETerm(lambda t, y, args: -y)
+    diffusion = diffrax.ControlTerm(lambda t, y, args: jnp.einsum("jik,k->ij", A, y), path)
+    terms = diffrax.MultiTerm(drift, diffusion)
+    solver = diffrax_linearize.GeneralItoMilstein()
+    sol = diffrax.diffeqsolve(terms, solver, 0.0, 1.0, dt, jnp.ones(d))
+    ```
+    """
 
     method: ContractionMethod = eqx.field(default="auto", static=True)
 
     term_structure: ClassVar = _Terms
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
+
+    def __init__(self, method: ContractionMethod = "auto"):
+        r"""**Arguments:**
+
+        - `method`: how the double sum of the step is computed; the result is the same
+            up to rounding.
+
+            - `"contract"`: materialise $g$ ($d \times m$, with
+                [`diffrax_linearize.materialise`][]) and its state derivative
+                $\partial_k g_{i j}$ ($d \times m \times d$, with
+                [`diffrax_linearize.vf_derivative`][]), then contract
+                $\sum_{j k} \partial_k g_{i j} (g I)_{k j}$: $d m (d + m)$ flops, and no
+                $d \times m \times m$ tensor. For a diffusion linear in the state,
+                $g(y)_{:, j} = A_j y$, the structure engine returns the stored $A$ as the
+                derivative with no work, so the step costs little more than an
+                Euler-Maruyama step. Needs a state that is one array of shape `(d,)`.
+            - `"jvp"`: one JVP of $y \mapsto g(y) I_{j_1, :}$ in the direction
+                $g_{:, j_1}$ per noise channel $j_1$, vectorised: $m$ times the cost of
+                the diffusion (for a dense linear diffusion $d^2 m^2$ flops), but works
+                for any PyTree state and any `diffrax.AbstractTerm.prod`, with nothing
+                materialised.
+            - `"auto"` (default): `"contract"` when the state is one array of shape
+                `(d,)` and $d^2 m \le 2^{24}$, since it is then never more expensive
+                and its memory stays bounded; otherwise `"jvp"`.
+        """
+        self.method = method
 
     def _y1(self, terms, t0, t1, y0, args):
         return _general_milstein_step(
@@ -188,23 +217,66 @@ class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
 
 
 class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
-    __doc__ = (
-        r"""Milstein's method for general (non-commutative) noise; Stratonovich
-    version. Converges to the Stratonovich solution with strong order one whatever the
-    noise, by using the simulated iterated Stratonovich integrals
+    r"""Milstein's method for general (non-commutative) noise; Stratonovich version.
+    Converges to the Stratonovich solution with strong order one whatever the noise, by
+    using the simulated iterated Stratonovich integrals
     $J_{j_1 j_2} = I_{j_1 j_2} + \tfrac12 \delta_{j_1 j_2} h$ of each step. Uses local
     linear interpolation for dense/ts output.
 
-    One step is
-    $y_1 = y_0 + f \Delta t + g \Delta W + \sum_{j_1 j_2} (L^{j_1} g_{:, j_2})
-    J_{j_1 j_2}$ with $L^j = \sum_k g_{kj} \partial_k$ and $f, g$ at $(t_0, y_0)$."""
-        + _DOC_COMMON
-    )
+    For the SDE $\mathrm{d}y = f(t, y)\,\mathrm{d}t + g(t, y)\,\mathrm{d}W$ with $m$
+    noise channels, one step from $y_0$ over $[t_0, t_1]$ is
+
+    $$y_1 = y_0 + f \Delta t + g \Delta W + \sum_{j_1, j_2} (L^{j_1} g_{:, j_2})\,
+    J_{j_1 j_2}, \qquad L^{j} = \sum_k g_{k j} \partial_k,$$
+
+    with $f$, $g$ evaluated at $(t_0, y_0)$. The double sum is the only part whose cost
+    depends on the structure of the diffusion; `method` chooses how it is computed (see
+    below).
+
+    This should be called with `terms=MultiTerm(drift_term, diffusion_term)`, where the
+    drift is a `diffrax.ODETerm` and the diffusion's control is a
+    [`diffrax_linearize.LevyAreaBrownianPath`][] (or a
+    [`diffrax_linearize.GridLevyAreaPath`][]) of shape `(m,)`: the solver asks it for
+    `evaluate(t0, t1, use_levy=True)`, an [`diffrax_linearize.IteratedIntegrals`][].
+    The strong order is one for any noise, provided the Lévy areas are accurate to
+    $O(h^{3/2})$ in $L^2$ (what `LevyAreaBrownianPath(bm, dt=dt)` chooses). Fixed steps
+    only: for adaptive steps the areas of a step that is halved are not Chen-consistent
+    with those of the halves.
+
+    Used exactly as in the example of [`diffrax_linearize.GeneralItoMilstein`][], with
+    `solver = diffrax_linearize.GeneralStratonovichMilstein()`.
+    """
 
     method: ContractionMethod = eqx.field(default="auto", static=True)
 
     term_structure: ClassVar = _Terms
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
+
+    def __init__(self, method: ContractionMethod = "auto"):
+        r"""**Arguments:**
+
+        - `method`: how the double sum of the step is computed; the result is the same
+            up to rounding.
+
+            - `"contract"`: materialise $g$ ($d \times m$, with
+                [`diffrax_linearize.materialise`][]) and its state derivative
+                $\partial_k g_{i j}$ ($d \times m \times d$, with
+                [`diffrax_linearize.vf_derivative`][]), then contract
+                $\sum_{j k} \partial_k g_{i j} (g J)_{k j}$: $d m (d + m)$ flops, and no
+                $d \times m \times m$ tensor. For a diffusion linear in the state,
+                $g(y)_{:, j} = A_j y$, the structure engine returns the stored $A$ as the
+                derivative with no work, so the step costs little more than an
+                Euler-Maruyama step. Needs a state that is one array of shape `(d,)`.
+            - `"jvp"`: one JVP of $y \mapsto g(y) J_{j_1, :}$ in the direction
+                $g_{:, j_1}$ per noise channel $j_1$, vectorised: $m$ times the cost of
+                the diffusion (for a dense linear diffusion $d^2 m^2$ flops), but works
+                for any PyTree state and any `diffrax.AbstractTerm.prod`, with nothing
+                materialised.
+            - `"auto"` (default): `"contract"` when the state is one array of shape
+                `(d,)` and $d^2 m \le 2^{24}$, since it is then never more expensive
+                and its memory stays bounded; otherwise `"jvp"`.
+        """
+        self.method = method
 
     def _y1(self, terms, t0, t1, y0, args):
         return _general_milstein_step(
