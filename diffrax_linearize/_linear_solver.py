@@ -134,10 +134,31 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
     (`lineax.RESULTS`) if it does not converge.
     """
 
-    rtol: float = 1e-10
-    atol: float = 1e-10
-    restart: int = 20
-    max_steps: int | None = None
+    rtol: float
+    atol: float
+    restart: int
+    max_steps: int | None
+
+    def __init__(
+        self,
+        rtol: float = 1e-10,
+        atol: float = 1e-10,
+        restart: int = 20,
+        max_steps: int | None = None,
+    ):
+        """**Arguments:**
+
+        These are used by the GMRES path only; the factorisations are direct.
+
+        - `rtol`, `atol`: GMRES stops when the residual is below `atol + rtol * |b|`
+          (lineax's `GMRES` convention, in the max norm).
+        - `restart`: the Krylov subspace size before a restart.
+        - `max_steps`: the most GMRES iterations, or `None` for no limit.
+        """
+        self.rtol = rtol
+        self.atol = atol
+        self.restart = restart
+        self.max_steps = max_steps
 
     def __check_init__(self):
         for name in ("rtol", "atol"):
