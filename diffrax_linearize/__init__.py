@@ -20,6 +20,8 @@ from ._linear_solver import StructuredLinearSolver as StructuredLinearSolver
 from ._materialise import (
     materialise as materialise,
     materialise_operator as materialise_operator,
+    structure_report as structure_report,
+    StructureReport as StructureReport,
 )
 from ._operators import (
     BandedLinearOperator as BandedLinearOperator,

@@ -574,3 +574,80 @@ def structured_blocks(fn: Callable, *args, mode: MaterialiseMode = "forward"):
     spec = _Spec(closed.jaxpr, len(diff), mode, False, structured=True, static_consts=static)
     blocks, _ = _structured_jacobian(spec, dynamic, diff, rest)
     return blocks, diff_tree, out_tree
+
+
+class StructureReport:
+    """What the structure engine found in a Jacobian: for each (output leaf, input leaf)
+    pair, the kind of block and the numbers it stores against a dense block's, and the
+    primitives that took the exact dense fallback. Returned by
+    [`diffrax_linearize.structure_report`][]; `str(report)` is a table."""
+
+    def __init__(self, rows, densified):
+        self.rows = rows
+        self.densified = densified
+
+    @property
+    def kinds(self) -> list[str]:
+        """The description of each block, in the order of `rows`."""
+        return [row["structure"] for row in self.rows]
+
+    def __str__(self):
+        lines = ["output leaf | input leaf | structure", "---|---|---"]
+        for row in self.rows:
+            lines.append(f"{row['output']} | {row['input']} | {row['structure']}")
+        if self.densified:
+            names = ", ".join(f"`{k}` ({v}x)" for k, v in sorted(self.densified.items()))
+            lines.append(f"\nDense fallback (structure lost): {names}")
+        else:
+            lines.append("\nNo dense fallback.")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def structure_report(
+    fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, mode: MaterialiseMode = "auto"
+) -> StructureReport:
+    """Report the structure [`diffrax_linearize.materialise`][] finds in the Jacobian of
+    `fn` at `args`, without computing it (only a trace): each block's kind, such as
+    `"diagonal"`, `"block-diagonal 1000 x 3 x 3"`, `"banded, offsets -1..1"` or
+    `"sparse, 6 entries per row"`, with the numbers it stores against the dense
+    Jacobian's, and the primitives that took the exact dense fallback.
+
+    **Arguments:** `fn`, `*args`, `argnums`, `mode` as for
+    [`diffrax_linearize.materialise`][].
+
+    **Returns:** a `StructureReport`; print it for a table.
+    """
+    api = "diffrax_linearize.structure_report"
+    _check_mode(mode, api)
+    closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, False, api)
+    dynamic, static = _split_consts(closed.consts)
+    spec = _Spec(closed.jaxpr, len(diff), mode, False, structured=True, static_consts=static)
+    found = []
+
+    def run(dynamic, diff, rest):
+        blocks, densified = _structured_jacobian(spec, dynamic, diff, rest)
+        found.append((blocks, densified))
+        return 0
+
+    jax.eval_shape(run, dynamic, diff, rest)
+    blocks, densified = found[0]
+    in_paths = [
+        jtu.keystr(p) or "x" for p, _ in jtu.tree_flatten_with_path(diff_tree.unflatten(diff))[0]
+    ]
+    out_avals = [v.aval for v in closed.jaxpr.outvars]
+    out_paths = [
+        jtu.keystr(p) or "out"
+        for p, _ in jtu.tree_flatten_with_path(out_tree.unflatten(out_avals))[0]
+    ]
+    rows = []
+    for q, row in enumerate(blocks):
+        for p, b in enumerate(row):
+            if b is None:
+                n = math.prod(out_avals[q].shape) * math.prod(jnp.shape(diff[p]))
+                text = f"zero: 0 numbers stored, dense {n:,}"
+            else:
+                text = b.describe()
+            rows.append({"output": out_paths[q], "input": in_paths[p], "structure": text})
+    return StructureReport(rows, dict(densified))
