@@ -15,6 +15,7 @@ import time
 BENCHMARKS = {
     "step-cost": "benchmarks.step_cost",
     "materialise": "benchmarks.materialise",
+    "structure": "benchmarks.structure",
     "adjoint": "benchmarks.adjoint",
     "squared-grads": "benchmarks.squared_grads",
     "work-precision": "benchmarks.work_precision",

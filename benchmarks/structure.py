@@ -1,0 +1,337 @@
+"""Sparse structure in real vector fields: `materialise_operator` against `jax.jacfwd` and
+asdex (sparsity detection and graph colouring), side by side in one run.
+
+The corpus: N Robertson systems written two ways (`y[:, k]` with `jnp.stack`, and
+`jax.vmap`), a `lax.scan` over the systems, a 1D heat equation with a cubic term (Laplacian
+by `jnp.pad` and slices), a 1D Brusselator, a 2D Brusselator on a periodic grid (`jnp.roll`),
+a 2D Gray-Scott on a Dirichlet grid (species as the last axis), and Lorenz-96, at sizes
+from 10^2 to 10^5 unknowns (float64, jitted).
+
+Per field and size:
+
+- `f`: one jitted evaluation of the field (the floor: the Jacobian has at least that many
+  nonzeros to compute);
+- `ours`: jitted `diffrax_linearize.materialise_operator`, with the structure it found and
+  the numbers its operator's array leaves hold;
+- `ours_dense`: jitted `diffrax_linearize.materialise` (the dense Jacobian), where it fits;
+- `jacfwd`: jitted `jax.jacfwd`, where the dense Jacobian fits (at most 4000 unknowns here);
+- `asdex`: `asdex.jacobian_from_coloring(f, colouring, output_format="bcoo")`, jitted, with
+  the one-off `asdex.jacobian_coloring` (detection and colouring) timed separately.
+
+At the smallest size of each field the Jacobians are checked against `jax.jacfwd`.
+
+    python -m benchmarks structure [--quick]     # needs `pip install -e '.[bench]'` for asdex
+"""
+
+import argparse
+import math
+import time
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+
+
+matplotlib.use("Agg")
+import diffrax_linearize as dl
+import matplotlib.pyplot as plt
+
+
+try:
+    from benchmarks._common import markdown_table, plot_path, time_compiled, write_results
+except ImportError:  # run as a script from inside benchmarks/
+    from _common import (  # pyright: ignore[reportMissingImports]
+        markdown_table,
+        plot_path,
+        time_compiled,
+        write_results,
+    )
+
+
+# ---- the corpus -----------------------------------------------------------------------------
+
+
+def robertson_stack(y):
+    y = y.reshape(-1, 3)
+    y1, y2, y3 = y[:, 0], y[:, 1], y[:, 2]
+    d1 = -0.04 * y1 + 1e4 * y2 * y3
+    d3 = 3e7 * y2**2
+    return jnp.stack([d1, -d1 - d3, d3], axis=1).reshape(-1)
+
+
+def _robertson_one(y):
+    y1, y2, y3 = y
+    d1 = -0.04 * y1 + 1e4 * y2 * y3
+    d3 = 3e7 * y2**2
+    return jnp.stack([d1, -d1 - d3, d3])
+
+
+def robertson_vmap(y):
+    return jax.vmap(_robertson_one)(y.reshape(-1, 3)).reshape(-1)
+
+
+def robertson_scan(y):
+    _, out = lax.scan(lambda c, s: (c, _robertson_one(s)), 0.0, y.reshape(-1, 3))
+    return out.reshape(-1)
+
+
+def heat_cubic(u):
+    n = u.shape[0]
+    up = jnp.pad(u, 1)
+    return (n + 1) ** 2 * (up[2:] - 2 * up[1:-1] + up[:-2]) - u**3
+
+
+def brusselator_1d(y):
+    n = y.shape[0] // 2
+    u, v = y[:n], y[n:]
+    a = 0.02 * (n + 1) ** 2
+
+    def lap(w, edge):
+        p = jnp.pad(w, 1, constant_values=edge)
+        return p[2:] - 2 * w + p[:-2]
+
+    du = 1 + u**2 * v - 4 * u + a * lap(u, 1.0)
+    dv = 3 * u - u**2 * v + a * lap(v, 3.0)
+    return jnp.concatenate([du, dv])
+
+
+def brusselator_2d(y):
+    n = math.isqrt(y.shape[0] // 2)
+    y = y.reshape(2, n, n)
+    u, v = y[0], y[1]
+    alpha = 0.02 * (n - 1) ** 2
+
+    def lap(w):
+        return (
+            jnp.roll(w, 1, 0) + jnp.roll(w, -1, 0) + jnp.roll(w, 1, 1) + jnp.roll(w, -1, 1) - 4 * w
+        )
+
+    du = 1.0 + u**2 * v - 4.4 * u + alpha * lap(u)
+    dv = 3.4 * u - u**2 * v + alpha * lap(v)
+    return jnp.stack([du, dv]).reshape(-1)
+
+
+def gray_scott_2d(y):
+    n = math.isqrt(y.shape[0] // 2)
+    y = y.reshape(n, n, 2)
+    u, v = y[..., 0], y[..., 1]
+
+    def lap(w):
+        p = jnp.pad(w, 1)
+        return (n + 1) ** 2 * (p[2:, 1:-1] + p[:-2, 1:-1] + p[1:-1, 2:] + p[1:-1, :-2] - 4 * w)
+
+    du = 2e-5 * lap(u) - u * v**2 + 0.04 * (1 - u)
+    dv = 1e-5 * lap(v) + u * v**2 - 0.1 * v
+    return jnp.stack([du, dv], axis=-1).reshape(-1)
+
+
+def lorenz96(x):
+    return (jnp.roll(x, -1) - jnp.roll(x, 2)) * jnp.roll(x, 1) - x + 8.0
+
+
+def _grid(n):  # 2 species on an n x n grid
+    return 2 * n * n
+
+
+FIELDS = {
+    "robertson_stack": (robertson_stack, [3 * 34, 3 * 1000, 3 * 10_000, 3 * 33_334]),
+    "robertson_vmap": (robertson_vmap, [3 * 34, 3 * 1000, 3 * 10_000, 3 * 33_334]),
+    "robertson_scan": (robertson_scan, [3 * 34, 3 * 1000, 3 * 10_000]),
+    "heat_cubic": (heat_cubic, [100, 4000, 10_000, 100_000]),
+    "brusselator_1d": (brusselator_1d, [100, 4000, 20_000, 100_000]),
+    "brusselator_2d": (brusselator_2d, [_grid(8), _grid(32), _grid(64), _grid(128), _grid(256)]),
+    "gray_scott_2d": (gray_scott_2d, [_grid(8), _grid(32), _grid(64), _grid(128), _grid(256)]),
+    "lorenz96": (lorenz96, [100, 4000, 10_000, 100_000]),
+}
+QUICK = {name: (fn, sizes[:2]) for name, (fn, sizes) in FIELDS.items()}
+DENSE_MAX = 4000  # unknowns; a dense float64 Jacobian of 4000 is 128 MB
+
+
+def _input(n):
+    return jnp.asarray(0.5 + 0.5 * np.random.RandomState(0).rand(n), jnp.float64)
+
+
+def _leaf_size(op) -> int:
+    return sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(op))
+
+
+def _asdex(fn, x):
+    try:
+        import asdex
+    except ImportError:
+        return None
+    t0 = time.perf_counter()
+    colouring = asdex.jacobian_coloring(fn, x)
+    detect_s = time.perf_counter() - t0
+    jac = asdex.jacobian_from_coloring(fn, colouring, output_format="bcoo")
+    colours = getattr(colouring, "n_colors", None)
+    if colours is None:
+        colours = getattr(getattr(colouring, "coloring", None), "n_colors", None)
+    return jac, detect_s, colours
+
+
+def _max_error(actual, expected) -> float:
+    return float(
+        jnp.max(jnp.abs(jnp.asarray(actual) - expected)) / (1 + jnp.max(jnp.abs(expected)))
+    )
+
+
+def run(quick: bool = False) -> list[dict]:
+    jax.config.update("jax_enable_x64", True)
+    fields = QUICK if quick else FIELDS
+    rows = []
+    for name, (fn, sizes) in fields.items():
+        for i, n in enumerate(sizes):
+            x = _input(n)
+            base = {"field": name, "unknowns": n}
+            f_time = time_compiled(fn, x)
+            rows.append({**base, "method": "f", **f_time})
+            op = jax.jit(lambda x: dl.materialise_operator(fn, x))(x)
+            report = dl.structure_report(fn, x)
+            ours = time_compiled(lambda x: dl.materialise_operator(fn, x), x)
+            rows.append(
+                {
+                    **base,
+                    "method": "ours",
+                    **ours,
+                    "operator": type(op).__name__,
+                    "stored": _leaf_size(op),
+                    "structure": report.kinds[0],
+                    "dense_fallback": dict(report.densified),
+                    "ratio_to_f": ours["run_s"] / f_time["run_s"],
+                }
+            )
+            reference = None
+            if n <= DENSE_MAX:
+                rows.append(
+                    {
+                        **base,
+                        "method": "ours_dense",
+                        **time_compiled(lambda x: dl.materialise(fn, x), x),
+                    }
+                )
+                rows.append({**base, "method": "jacfwd", **time_compiled(jax.jacfwd(fn), x)})
+                if i == 0:
+                    reference = jax.jacfwd(fn)(x)
+                    rows[-3]["max_error_vs_jacfwd"] = _max_error(op.as_matrix(), reference)
+            else:
+                rows.append(
+                    {
+                        **base,
+                        "method": "jacfwd",
+                        "note": f"not run: the dense Jacobian is {n * n * 8 / 2**30:.1f} GiB",
+                    }
+                )
+            found = _asdex(fn, x)
+            if found is not None:
+                jac, detect_s, colours = found
+                row = {
+                    **base,
+                    "method": "asdex",
+                    **time_compiled(jac, x),
+                    "detect_s": detect_s,
+                    "colours": colours,
+                }
+                if reference is not None:
+                    row["max_error_vs_jacfwd"] = _max_error(jac(x).todense(), reference)
+                rows.append(row)
+            print(f"  {name} n={n}: {report.kinds[0]}", flush=True)
+    path = write_results("structure", rows, summary=summary(rows), quick=quick)
+    print(markdown_table(summary(rows), COLUMNS))
+    print(f"\nResults: {path}\nPlot: {plot(rows)}")
+    return rows
+
+
+def summary(rows) -> list[dict]:
+    """One row per field and size: ours against jacfwd and asdex."""
+    out = []
+    keys = sorted(
+        {(r["field"], r["unknowns"]) for r in rows}, key=lambda k: (list(FIELDS).index(k[0]), k[1])
+    )
+    for field, n in keys:
+        by = {r["method"]: r for r in rows if r["field"] == field and r["unknowns"] == n}
+        ours, f, jf, ad = by.get("ours"), by.get("f"), by.get("jacfwd"), by.get("asdex")
+        out.append(
+            {
+                "field": field,
+                "unknowns": n,
+                "structure": ours.get("structure") if ours else None,
+                "stored": ours.get("stored") if ours else None,
+                "f_s": f.get("run_s") if f else None,
+                "ours_s": ours.get("run_s") if ours else None,
+                "ours_compile_s": ours.get("compile_s") if ours else None,
+                "jacfwd_s": jf.get("run_s") if jf else None,
+                "asdex_s": ad.get("run_s") if ad else None,
+                "asdex_detect_s": ad.get("detect_s") if ad else None,
+                "colours": ad.get("colours") if ad else None,
+                "vs_asdex": (ad["run_s"] / ours["run_s"]) if ad and ours else None,
+                "vs_jacfwd": (jf["run_s"] / ours["run_s"])
+                if jf and jf.get("run_s") and ours
+                else None,
+            }
+        )
+    return out
+
+
+COLUMNS = [
+    ("field", "field"),
+    ("unknowns", "unknowns"),
+    ("structure", "structure found"),
+    ("stored", "numbers in operator"),
+    ("f_s", "one f"),
+    ("ours_s", "ours"),
+    ("ours_compile_s", "ours compile"),
+    ("jacfwd_s", "jax.jacfwd"),
+    ("asdex_s", "asdex"),
+    ("asdex_detect_s", "asdex detection + colouring"),
+    ("colours", "asdex colours"),
+    ("vs_asdex", "asdex / ours"),
+    ("vs_jacfwd", "jacfwd / ours"),
+]
+
+
+def plot(rows):
+    fields = list(dict.fromkeys(r["field"] for r in rows))
+    cols = 4
+    fig, axes = plt.subplots(math.ceil(len(fields) / cols), cols, figsize=(16, 7.5), squeeze=False)
+    labels = {
+        "f": "one evaluation of f",
+        "ours": "materialise_operator (ours)",
+        "jacfwd": "jax.jacfwd",
+        "asdex": "asdex (jitted, colouring done once)",
+    }
+    for ax, field in zip(axes.flat, fields):
+        for method, style in [("f", ":"), ("ours", "o-"), ("jacfwd", "s--"), ("asdex", "^-")]:
+            pts = [
+                (r["unknowns"], r["run_s"])
+                for r in rows
+                if r["field"] == field and r["method"] == method and r.get("run_s")
+            ]
+            if pts:
+                ax.loglog(*zip(*pts), style, label=labels[method])
+        ax.set_title(field)
+        ax.set_xlabel("unknowns")
+        ax.set_ylabel("run time (s)")
+    for ax in list(axes.flat)[len(fields) :]:
+        ax.axis("off")
+    handles, names = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=4)
+    fig.suptitle("Jacobians of vector fields: run time against unknowns (float64, jitted)")
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    path = plot_path("structure")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    ns = parser.parse_args(argv)
+    run(quick=ns.quick)
+
+
+if __name__ == "__main__":
+    main()
