@@ -1,4 +1,6 @@
-"""Write `docs/benchmarks.md` from the JSON results in `benchmarks/results/`.
+"""Write `docs/benchmarks.md` from the JSON results in `benchmarks/results/`, and the
+figures quoted elsewhere (between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->`
+in the README and the guides) from the same JSON, so that they cannot drift.
 
 Every benchmark gets a section. When more than one machine recorded it (CPU and GPU), the
 section opens with a side-by-side table: one line per case, its run and compile time on
@@ -8,11 +10,15 @@ came from.
 
 import json
 import pathlib
+import re
 
 from benchmarks._common import fmt_time, markdown_table, RESULTS
 
 
-DOCS = pathlib.Path(__file__).parent.parent / "docs" / "benchmarks.md"
+ROOT = pathlib.Path(__file__).parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
+# The files with generated figures in them.
+QUOTING = (ROOT / "README.md", ROOT / "docs" / "ensembles.md")
 
 TITLES = {
     "step_cost": "Step cost of one SDE step",
@@ -20,7 +26,7 @@ TITLES = {
     "adjoint": "Backsolve adjoint",
     "squared_grads": "Squared per-example gradients",
     "work_precision": "Work-precision on non-commutative noise",
-    "ensemble": "Ensembles: throughput against device count",
+    "ensemble": "Ensembles: throughput against devices and processes",
 }
 
 
@@ -31,7 +37,7 @@ CASE_KEYS = {
     "adjoint": ("solver", "adjoint", "d", "steps"),
     "squared_grads": ("model", "B", "method"),
     "work_precision": ("m", "method", "steps"),
-    "ensemble": ("devices", "paths", "steps", "d"),
+    "ensemble": ("processes", "devices", "cores", "paths", "steps", "d"),
 }
 
 
@@ -121,9 +127,54 @@ def render() -> str:
     return "\n".join(out) + "\n"
 
 
+_GENERATED = re.compile(
+    r"<!-- generated:(?P<name>[\w-]+) -->.*?<!-- /generated:(?P=name) -->", re.S
+)
+
+
+def _ensemble_figures() -> dict[str, str]:
+    from benchmarks import ensemble
+
+    paths = sorted(RESULTS.glob("ensemble-cpu-*.json"))
+    rows = json.loads(paths[0].read_text())["rows"] if paths else []
+    if not rows or "processes" not in rows[0]:
+        missing = "not measured yet: run `python -m benchmarks.ensemble` on an idle machine"
+        return {"ensemble-summary": missing, "ensemble-table": f"\n\n({missing}.)\n\n"}
+    data = json.loads(paths[0].read_text())
+    table = ensemble.table(rows)
+    source = f"`benchmarks/results/{paths[0].name}`; {_machine_line(data['machine'])}."
+    return {
+        "ensemble-summary": ensemble.summary(rows),
+        "ensemble-table": f"\n\n{table}\n\nFrom {source}\n\n",
+    }
+
+
+def figures() -> dict[str, str]:
+    """The generated figures, by name."""
+    return _ensemble_figures()
+
+
+def fill(text: str, pieces: dict[str, str]) -> str:
+    """`text` with every generated region named in `pieces` replaced."""
+
+    def sub(match):
+        name = match["name"]
+        if name not in pieces:
+            return match[0]
+        return f"<!-- generated:{name} -->{pieces[name]}<!-- /generated:{name} -->"
+
+    return _GENERATED.sub(sub, text)
+
+
 def main():
     DOCS.write_text(render())
     print(f"wrote {DOCS}")
+    pieces = figures()
+    for path in QUOTING:
+        text = path.read_text()
+        if fill(text, pieces) != text:
+            path.write_text(fill(text, pieces))
+            print(f"updated the generated figures in {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
