@@ -1,32 +1,55 @@
-"""Scaling of `diffrax_linearize.solve_ensemble`: paths per second against device count.
+"""Scaling of `diffrax_linearize.solve_ensemble`: paths per second against CPU devices and
+JAX processes, one core per device.
 
-A compute-bound SDE (d=32, dense drift, diagonal noise from a `VirtualBrownianTree`,
-Euler, many steps), only the mean and variance returned. Each device count runs in
-its own subprocess, since the number of simulated CPU devices
-(`--xla_force_host_platform_device_count`) is fixed when JAX starts. Each simulated
-device is held to one thread (`--xla_cpu_multi_thread_eigen=false
-intra_op_parallelism_threads=1`), so that one device uses one core and the comparison
-with several devices is honest.
+A compute-bound SDE (d=32, dense `tanh` drift, diagonal noise from a
+`VirtualBrownianTree`, Euler, many steps), only the mean and variance returned. Each
+configuration runs in fresh processes (the device count of a process is fixed when JAX
+starts), each pinned to its own cores:
 
-Run: `python -m benchmarks.ensemble [--quick] [--devices 1 2 4]`.
+- 1 process, 1 device, 1 core: the baseline;
+- 1 process, 2 simulated devices (`--xla_force_host_platform_device_count=2`), 2 cores;
+- 2 processes, 1 device each, 1 core each: `jax.distributed` on 127.0.0.1 with gloo
+  collectives, as `examples/ensemble_multiprocess.py` (the multi-host recipe) runs them;
+- 1 process, 1 device, 2 cores: not a scaling point, but the reason for pinning. XLA's
+  CPU compiler splits every large enough loop fusion over a thread pool the size of the
+  process's cores; for the small per-step operations of an SDE solve, that costs more
+  than it gains, so one device with two cores is slower than with one.
+
+Speedup is against the baseline; efficiency is speedup per core used. CPU time (of all
+threads, summed over processes) per call, against the baseline's, shows the overhead
+directly, and moves less than wall-clock time when other jobs share the machine.
+
+Run: `python -m benchmarks.ensemble [--quick]`, or `--gpu` for one device of the default
+backend, in this process. Writes the JSON and plot, prints the table, and (full runs)
+regenerates the tables in `docs/ensembles.md` and the README via `benchmarks.report`.
 """
 
 import argparse
 import json
 import os
-import subprocess
 import sys
+import tempfile
+import traceback
 
 
 if __package__ in (None, ""):  # run as `python benchmarks/ensemble.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CPU_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+from examples import ensemble_multiprocess as example
+
+
 D = 32
+# (processes, devices per process, cores per process).
+CONFIGS = ((1, 1, 1), (1, 2, 2), (2, 1, 1), (1, 1, 2))
 
 
-def _worker(num_devices: int, quick: bool) -> dict:
-    """Runs in the subprocess: times one ensemble solve on `num_devices` devices."""
+def _sizes(quick: bool) -> tuple[int, int]:
+    return (32, 200) if quick else (256, 1000)  # paths, steps
+
+
+def _worker(quick: bool, repeats: int) -> dict:
+    """Times one ensemble solve on all devices of all processes (after
+    `jax.distributed.initialize`, if there are several)."""
     import diffrax
     import diffrax_linearize as dl
     import jax
@@ -34,14 +57,12 @@ def _worker(num_devices: int, quick: bool) -> dict:
     import jax.random as jr
     import lineax as lx
     import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from benchmarks._common import time_compiled
 
-    devices = jax.devices()[:num_devices]
-    assert len(devices) == num_devices, jax.devices()
-    mesh = jax.sharding.Mesh(np.asarray(devices), ("paths",))
-    num_paths = 32 if quick else 128
-    num_steps = 200 if quick else 1000
+    mesh = Mesh(np.asarray(jax.devices()), ("paths",))
+    num_paths, num_steps = _sizes(quick)
     t1 = 1.0
     a = -jnp.eye(D) + 0.5 * jr.normal(jr.key(1), (D, D)) / np.sqrt(D)
 
@@ -70,10 +91,15 @@ def _worker(num_devices: int, quick: bool) -> dict:
         )
         return out.mean, out.var
 
-    keys = jr.split(jr.key(0), num_paths)
-    timing = time_compiled(solve, keys, repeats=3 if quick else 5, min_time=0.5)
+    make_keys = jax.jit(
+        lambda: jr.split(jr.key(0), num_paths), out_shardings=NamedSharding(mesh, P("paths"))
+    )
+    # A fixed number of calls: with several processes, every one must make the same calls
+    # (each call ends in a collective), so no process may decide on its own to stop.
+    timing = time_compiled(solve, make_keys(), repeats=repeats, min_time=0.0, max_time=1e9)
     return {
-        "devices": num_devices,
+        "processes": jax.process_count(),
+        "devices": jax.device_count(),
         "paths": num_paths,
         "steps": num_steps,
         "d": D,
@@ -82,75 +108,184 @@ def _worker(num_devices: int, quick: bool) -> dict:
     }
 
 
-def _spawn(num_devices: int, quick: bool) -> dict:
+def _spawn(processes: int, devices: int, cores: int, quick: bool, repeats: int) -> dict:
+    """One configuration in fresh processes, pinned to cores of their own."""
+    available = sorted(os.sched_getaffinity(0))
+    needed = processes * cores
+    if needed > len(available):
+        raise RuntimeError(f"{processes} x {cores} cores needed, {len(available)} available")
+    core_sets = [set(available[i * cores : (i + 1) * cores]) for i in range(processes)]
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices} {CPU_FLAGS}"
-    env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "benchmarks.ensemble", "--worker", str(num_devices)]
-    if quick:
-        cmd.append("--quick")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker for {num_devices} devices failed:\n{proc.stderr[-4000:]}")
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+
+    def argv(i, coordinator):
+        cmd = [sys.executable, "-m", "benchmarks.ensemble", "--worker", "--repeats", str(repeats)]
+        cmd += ["--quick"] if quick else []
+        if processes > 1:
+            cmd += ["--coordinator", coordinator, "--processes", str(processes)]
+            cmd += ["--process-id", str(i)]
+        return cmd
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        procs = example.start_local(processes, argv, log_dir, cores=core_sets, env=env)
+        finished = example.wait_local(procs, timeout=1800)
+        failed = [p for p in procs if p.returncode != 0]
+        if failed or not finished:
+            raise RuntimeError(
+                f"{processes} process(es) x {devices} device(s) failed:\n"
+                + "\n".join(f"process {p.process_id}:\n{p.stderr[-4000:]}" for p in procs)
+            )
+        results = []
+        for p in procs:
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
+            results.append(json.loads(line[len("RESULT ") :]))
+    # Wall-clock times are process 0's (every call ends in a collective, so the processes
+    # keep step); CPU time is the sum over processes.
+    row = results[0]
+    assert (row["processes"], row["devices"]) == (processes, processes * devices), row
+    return {**row, "cpu_s": sum(r["cpu_s"] for r in results), "cores": needed}
 
 
-def run(quick: bool = False, devices: tuple[int, ...] = (1, 2)) -> list[dict]:
+def _plot(rows, name):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks._common import markdown_table, plot_path, write_results
+    from benchmarks._common import plot_path
 
-    rows = [_spawn(n, quick) for n in devices]
-    base = rows[0]["paths_per_sec"] / rows[0]["devices"]
-    for row in rows:
-        row["speedup"] = row["paths_per_sec"] / rows[0]["paths_per_sec"]
-        row["efficiency"] = row["paths_per_sec"] / (base * row["devices"])
-    print(
-        markdown_table(
-            rows,
-            [
-                ("devices", "devices"),
-                ("paths", "paths"),
-                ("steps", "steps"),
-                ("compile_s", "compile"),
-                ("run_s", "run (median)"),
-                ("paths_per_sec", "paths / s"),
-                ("speedup", "speedup"),
-                ("efficiency", "efficiency"),
-            ],
-        )
+    base = rows[0]["paths_per_sec"]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    scaling = [r for r in rows if r["cores"] == r["devices"]]
+    one_process = [r for r in scaling if r["processes"] == 1]
+    many = [rows[0]] + [r for r in scaling if r["processes"] > 1]
+    cores = sorted({r["cores"] for r in rows})
+    ax.plot(cores, [base * c for c in cores], "k--", lw=1, label="ideal: linear in cores")
+    ax.plot(
+        [r["devices"] for r in one_process],
+        [r["paths_per_sec"] for r in one_process],
+        "o-",
+        label="devices of one process",
     )
-    name = "ensemble-quick" if quick else "ensemble"
-    path = write_results(name, rows, xla_flags=CPU_FLAGS, cpu_devices="simulated")
-    print(f"wrote {path}")
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    n = [r["devices"] for r in rows]
-    ax.plot(n, [r["paths_per_sec"] for r in rows], "o-", label="measured")
-    ax.plot(n, [base * k for k in n], "k--", lw=1, label="ideal (linear)")
-    ax.set_xlabel("simulated CPU devices")
+    if len(many) > 1:
+        ax.plot(
+            [r["devices"] for r in many],
+            [r["paths_per_sec"] for r in many],
+            "s-",
+            label="processes, one device each",
+        )
+    for r in rows:
+        if r["cores"] != r["devices"]:
+            ax.plot(r["cores"], r["paths_per_sec"], "x", ms=9, color="C3")
+            ax.annotate(
+                "1 device on 2 cores",
+                (r["cores"], r["paths_per_sec"]),
+                textcoords="offset points",
+                xytext=(-10, -14),
+                ha="right",
+                fontsize=8,
+            )
+    ax.set_xlabel("CPU cores (one per device)")
     ax.set_ylabel("paths / s")
-    ax.set_xticks(n)
-    ax.set_title(f"solve_ensemble, d={D} SDE, Euler")
-    ax.legend()
+    ax.set_xticks(cores)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"solve_ensemble, d={D} SDE, Euler, {rows[0]['steps']} steps")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(plot_path(name), dpi=120)
     plt.close(fig)
+
+
+COLUMNS = [
+    ("processes", "processes"),
+    ("devices", "devices"),
+    ("cores", "cores"),
+    ("paths", "paths"),
+    ("steps", "steps"),
+    ("compile_s", "compile"),
+    ("run_s", "run (median)"),
+    ("cpu_s", "CPU time"),
+    ("paths_per_sec", "paths / s"),
+    ("speedup", "speedup"),
+    ("efficiency", "efficiency"),
+    ("cpu_ratio", "CPU time / baseline"),
+]
+
+
+def table(rows) -> str:
+    """The Markdown table of `docs/ensembles.md`."""
+    from benchmarks._common import markdown_table
+
+    return markdown_table(rows, COLUMNS)
+
+
+def summary(rows) -> str:
+    """The one-line figure of the README."""
+
+    def find(processes, devices):
+        for r in rows:
+            if (r["processes"], r["devices"], r["cores"]) == (processes, devices, devices):
+                return r
+        return None
+
+    base, two_devices, two_processes = find(1, 1), find(1, 2), find(2, 2)
+    parts = [f"{base['paths_per_sec']:.0f} paths/s on 1 core"]
+    for r, what in ((two_devices, "2 devices of one process"), (two_processes, "2 processes")):
+        if r is not None:
+            parts.append(f"{r['paths_per_sec']:.0f} on {what} ({r['efficiency']:.2f} efficiency)")
+    return "; ".join(parts)
+
+
+def run(quick: bool = False, gpu: bool = False) -> list[dict]:
+    from benchmarks._common import write_results
+
+    repeats = 3 if quick else 7
+    if gpu:
+        rows = [{**_worker(quick, repeats), "cores": None}]
+    else:
+        rows = [_spawn(p, d, c, quick, repeats) for p, d, c in CONFIGS]
+    base = rows[0]["paths_per_sec"]
+    for row in rows:
+        row["speedup"] = row["paths_per_sec"] / base
+        row["efficiency"] = None if row["cores"] is None else row["speedup"] / row["cores"]
+        # How much more CPU time the same paths took than on one core: the overhead.
+        row["cpu_ratio"] = row["cpu_s"] / rows[0]["cpu_s"]
+    print(table(rows))
+    name = "ensemble-quick" if quick else "ensemble"
+    notes = {} if gpu else {"cpu_devices": "simulated", "pinned": "each process to its cores"}
+    path = write_results(name, rows, **notes)
+    print(f"wrote {path}")
+    if not gpu:
+        _plot(rows, name)
+    if not quick:
+        from benchmarks import report
+
+        report.main()
     return rows
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gpu", action="store_true", help="one device, this process")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=7, help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
+    parser.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    if ns.worker is not None:
-        print("RESULT " + json.dumps(_worker(ns.worker, ns.quick), default=float))
+    if ns.worker:
+        try:
+            example.local_setup()
+            if ns.processes > 1:
+                example.join(ns.coordinator, ns.processes, ns.process_id)
+            row = _worker(ns.quick, ns.repeats)
+            print("RESULT " + json.dumps(row, default=float), flush=True)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)  # not JAX's exit, which would wait for the other processes
     else:
-        run(quick=ns.quick, devices=tuple(ns.devices))
+        run(quick=ns.quick, gpu=ns.gpu)

@@ -29,8 +29,8 @@ for name in step-cost materialise adjoint squared-grads; do
 done
 # m = 50 takes too long for the lease; m in {2, 10} covers the acceptance's m = 10.
 run benchmarks/work_precision.py --ms 2 10 $flag
-# One GPU: throughput on one device (the CPU scaling table comes from simulated devices).
-run -m benchmarks.ensemble --devices 1 $flag
+# One GPU: throughput on one device (the CPU table pins processes to cores; see docs/ensembles.md).
+run -m benchmarks.ensemble --gpu $flag
 if [ -n "${OUT:-}" ]; then
   # The device tool returns at most 8 files: every JSON, and the two main plots.
   cp benchmarks/results/*-gpu-*.json "$OUT"/ 2>/dev/null || true

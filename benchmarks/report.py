@@ -1,5 +1,6 @@
-"""Write `docs/benchmarks.md` and the README's table of measured numbers from the JSON
-results in `benchmarks/results/`, so that neither can drift from them.
+"""Write `docs/benchmarks.md`, the README's table of measured numbers, and the figures
+quoted in the guides (between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->`)
+from the JSON results in `benchmarks/results/`, so that none can drift from them.
 
     python -m benchmarks.report            # docs/benchmarks.md and README.md
     python -m benchmarks.report --plots    # also redraw the PNG plots from the JSON
@@ -22,6 +23,8 @@ from benchmarks._common import fmt_time, markdown_table, RESULTS
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
+# The files with generated figures in them.
+QUOTING = (ROOT / "README.md", ROOT / "docs" / "ensembles.md")
 
 TITLES = {
     "step_cost": "Step cost of one SDE step",
@@ -29,7 +32,7 @@ TITLES = {
     "adjoint": "Backsolve adjoint",
     "squared_grads": "Squared per-example gradients",
     "work_precision": "Work-precision on non-commutative noise",
-    "ensemble": "Ensembles: throughput against device count",
+    "ensemble": "Ensembles: throughput against devices and processes",
 }
 
 
@@ -40,7 +43,7 @@ CASE_KEYS = {
     "adjoint": ("solver", "adjoint", "d", "steps"),
     "squared_grads": ("model", "B", "method"),
     "work_precision": ("m", "method", "steps"),
-    "ensemble": ("devices", "paths", "steps", "d"),
+    "ensemble": ("processes", "devices", "cores", "paths", "steps", "d"),
 }
 
 
@@ -229,6 +232,45 @@ def render() -> str:
     return "\n".join(out) + "\n"
 
 
+_GENERATED = re.compile(
+    r"<!-- generated:(?P<name>[\w-]+) -->.*?<!-- /generated:(?P=name) -->", re.S
+)
+
+
+def _ensemble_figures() -> dict[str, str]:
+    from benchmarks import ensemble
+
+    paths = sorted(RESULTS.glob("ensemble-cpu-*.json"))
+    rows = json.loads(paths[0].read_text())["rows"] if paths else []
+    if not rows or "processes" not in rows[0]:
+        missing = "not measured yet: run `python -m benchmarks.ensemble` on an idle machine"
+        return {"ensemble-summary": missing, "ensemble-table": f"\n\n({missing}.)\n\n"}
+    data = json.loads(paths[0].read_text())
+    table = ensemble.table(rows)
+    source = f"`benchmarks/results/{paths[0].name}`; {_machine_line(data['machine'])}."
+    return {
+        "ensemble-summary": ensemble.summary(rows),
+        "ensemble-table": f"\n\n{table}\n\nFrom {source}\n\n",
+    }
+
+
+def figures() -> dict[str, str]:
+    """The generated figures, by name."""
+    return _ensemble_figures()
+
+
+def fill(text: str, pieces: dict[str, str]) -> str:
+    """`text` with every generated region named in `pieces` replaced."""
+
+    def sub(match):
+        name = match["name"]
+        if name not in pieces:
+            return match[0]
+        return f"<!-- generated:{name} -->{pieces[name]}<!-- /generated:{name} -->"
+
+    return _GENERATED.sub(sub, text)
+
+
 #
 # The README's "Measured" table
 #
@@ -272,7 +314,7 @@ def _x(x: float) -> str:
 def readme_table() -> str:
     """The README's table of headline numbers, each read from the recorded JSON."""
     mat, step, wp = _load("materialise"), _load("step_cost"), _load("work_precision")
-    adj, sq, ens = _load("adjoint"), _load("squared_grads"), _load("ensemble")
+    adj, sq = _load("adjoint"), _load("squared_grads")
     t = lambda data, key="run_s", **match: _fmt3(_row(data, **match)[key])  # noqa: E731
     rows = []
     ours = _row(mat, problem="A @ x", N=2000, method="ours")
@@ -371,13 +413,13 @@ def readme_table() -> str:
             f"`vmap(grad)` squares alone {_fmt3(tv['run_s'])}",
         )
     )
-    # The ensemble benchmark is being reworked: its row follows its JSON as it stands.
-    one, two = _row(ens, devices=1), _row(ens, devices=2)
     rows.append(
         (
-            f"{one['paths']} SDE paths, {one['steps']} steps, 1 vs 2 simulated CPU devices",
-            f"{one['paths_per_sec']:.0f} vs {two['paths_per_sec']:.0f} paths/s",
-            "(one core per device)",
+            "`solve_ensemble`, 256 SDE paths (d=32), 1000 steps, one CPU core per device",
+            "<!-- generated:ensemble-summary -->"
+            + _ensemble_figures()["ensemble-summary"]
+            + "<!-- /generated:ensemble-summary -->",
+            "linear scaling: 2x the 1-core rate on 2",
         )
     )
     m = mat["machine"]
@@ -427,6 +469,12 @@ def main(argv=None):
     print(f"wrote {DOCS}")
     README.write_text(update_readme(README.read_text()))
     print(f"wrote {README}")
+    pieces = figures()
+    for path in QUOTING:
+        text = path.read_text()
+        if fill(text, pieces) != text:
+            path.write_text(fill(text, pieces))
+            print(f"updated the generated figures in {path.relative_to(ROOT)}")
     if ns.plots:
         replot()
 
