@@ -29,6 +29,7 @@ QUOTING = (ROOT / "README.md", ROOT / "docs" / "ensembles.md")
 TITLES = {
     "step_cost": "Step cost of one SDE step",
     "materialise": "materialise against jax.jacfwd",
+    "structure": "Sparse structure in vector fields, against jax.jacfwd and asdex",
     "adjoint": "Backsolve adjoint",
     "squared_grads": "Squared per-example gradients",
     "work_precision": "Work-precision on non-commutative noise",
@@ -40,6 +41,7 @@ TITLES = {
 CASE_KEYS = {
     "step_cost": ("diffusion", "d", "m", "solver"),
     "materialise": ("problem", "N", "method"),
+    "structure": ("field", "unknowns", "method"),
     "adjoint": ("solver", "adjoint", "d", "steps"),
     "squared_grads": ("model", "B", "method"),
     "work_precision": ("m", "method", "steps"),
@@ -173,6 +175,10 @@ def _notes(name: str, data: dict) -> list[str]:
             out += ["Acceptance ratios:", ""] + _ratios(value)
         elif name == "work_precision" and key == "summary":
             out += _work_precision_summary(data)
+        elif name == "structure" and key == "summary":
+            from benchmarks.structure import COLUMNS
+
+            out += ["Side by side, per field and size:", "", markdown_table(value, COLUMNS), ""]
         else:
             listed.append(f"- {key}: {_cell(key, value)}")
     return (listed + [""] if listed else []) + out
@@ -446,6 +452,7 @@ def update_readme(text: str) -> str:
 PLOTTERS = {
     "step_cost": "benchmarks.step_cost",
     "materialise": "benchmarks.materialise",
+    "structure": "benchmarks.structure",
     "adjoint": "benchmarks.adjoint",
     "squared_grads": "benchmarks.squared_grads",
     "work_precision": "benchmarks.work_precision",

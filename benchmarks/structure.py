@@ -292,7 +292,7 @@ COLUMNS = [
 ]
 
 
-def plot(rows):
+def plot(rows, out=None):
     fields = list(dict.fromkeys(r["field"] for r in rows))
     cols = 4
     fig, axes = plt.subplots(math.ceil(len(fields) / cols), cols, figsize=(16, 7.5), squeeze=False)
@@ -320,7 +320,7 @@ def plot(rows):
     fig.legend(handles, names, loc="lower center", ncol=4)
     fig.suptitle("Jacobians of vector fields: run time against unknowns (float64, jitted)")
     fig.tight_layout(rect=(0, 0.05, 1, 0.96))
-    path = plot_path("structure")
+    path = out or plot_path("structure")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -56,9 +56,15 @@ class Context:
 
     in_shapes: list[tuple[int, ...]]
     densified: dict[str, int] = dataclasses.field(default_factory=dict)
+    coloured: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def record(self, name: str):
         self.densified[name] = self.densified.get(name, 0) + 1
+
+    def record_colouring(self, name: str, colours: int):
+        """An equation computed by the sparse fallback, with `colours` compressed
+        evaluations."""
+        self.coloured.setdefault(name, []).append(colours)
 
 
 Rule = Callable[[Context, object, list], list]

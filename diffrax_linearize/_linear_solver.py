@@ -79,7 +79,7 @@ class _BlockTridiagonalLU(_State):
 
 class _Krylov(_State):
     preconditioner: lx.AbstractLinearOperator
-    gmres: lx.GMRES
+    gmres: lx.GMRES = eqx.field(static=True)
 
     def solve(self, vector, options):
         # GMRES iterates in the input's structure: an output of another shape (same size)
@@ -99,7 +99,7 @@ class _Krylov(_State):
 class _Delegate(_State):
     """A lineax solver's state, for the operators lineax solves well itself."""
 
-    solver: lx.AbstractLinearSolver
+    solver: lx.AbstractLinearSolver = eqx.field(static=True)
     state: Any
 
     def solve(self, vector, options):

@@ -10,14 +10,18 @@ band) is widened: those carries are made dense over their patterns' in axes, aft
 structure always settles. A `scan` without linear carries is a map over its inputs and is
 interpreted as the `jax.vmap` of its body."""
 
+import math
+
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
+from ._colouring import apply_block, colour_columns, decompress, pattern_of
 from ._compat import bind_eqn, prim
 from ._interpreter import Context, dense_fallback, eval_jaxpr, interpret, Lin, register_rule
 from ._rules import conform, join
+from ._sparsity import too_full
 from ._structure import Ell, fresh_label, Struct
 
 
@@ -88,11 +92,12 @@ def _widen(templates):
     ]
 
 
-def _fixed_point(templates, avals, step):
+def _fixed_point(templates, avals, step, widen=True):
     """Iterate `templates -> join(templates, step(templates))` to a fixed point, widening
-    once if it does not settle. `step` returns the carries' structures after one iteration
-    (a list of `{leaf: block}` or `None` per carry). Returns `None` if no fixed point."""
-    for widened in (False, True):
+    once if it does not settle (with `widen`). `step` returns the carries' structures after
+    one iteration (a list of `{leaf: block}` or `None` per carry). Returns `None` if no
+    fixed point."""
+    for widened in (False, True) if widen else (False,):
         if widened:
             templates = _widen(templates)
         for _ in range(_MAX_ITERATIONS):
@@ -208,7 +213,13 @@ def _scan_rule(ctx: Context, eqn, vals):
         ys_structures[:] = [_structures(outs[nk:])]
         return _structures(outs[:nk])
 
-    templates = _fixed_point(_initial_templates(init, carry_avals), carry_avals, step)
+    initial = _initial_templates(init, carry_avals)
+    templates = _fixed_point(initial, carry_avals, step, widen=False)
+    if templates is None:
+        out = _scan_by_colouring(ctx, eqn, vals, initial, step, length, nk, ys_structures)
+        if out is not None:
+            return out
+        templates = _fixed_point(initial, carry_avals, step)
     if templates is None:
         return dense_fallback(ctx, eqn, vals)
     step(templates)  # the outputs' structures for the fixed-point carries
@@ -242,6 +253,75 @@ def _scan_rule(ctx: Context, eqn, vals):
             continue
         blocks = {p: _stacked(b, next(it), length) for p, b in sorted(t.items())}
         outs.append(Lin(blocks, aval.shape, aval.dtype))
+    return outs
+
+
+_COLOURING_MAX_LENGTH = 256
+
+
+def _scan_by_colouring(ctx, eqn, vals, initial, step, length, nk, ys_structures):
+    """The sparse fallback for a `scan` whose carries' pattern does not settle (a stencil
+    applied again and again): the pattern after `length` iterations is found by iterating
+    the structure abstractly, and the values by `c` compressed evaluations of the loop, one
+    per colour of that pattern. `None` if it does not apply (linear outputs other than the
+    carries, or a pattern too full to be worth it)."""
+    if length > _COLOURING_MAX_LENGTH:
+        return None
+    structures = initial
+    for _ in range(length):
+        structures = step(structures)
+        if any(s is not None for s in ys_structures[0]):
+            return None  # stacked outputs: not handled here
+        structures = [None if s is None else s for s in structures]
+    leaves = sorted({p for s in structures if s for p in s})
+    patterns = {p: [] for p in leaves}
+    for k, s in enumerate(structures):
+        for p, b in (s or {}).items():
+            pat = pattern_of(b)
+            if pat is None:
+                return None
+            patterns[p].append((k, pat))
+    in_shapes = ctx.in_shapes
+    colourings = {}
+    for p in leaves:
+        n = math.prod(in_shapes[p])
+        colours = colour_columns([pat for _, pat in patterns[p]], n)
+        c = int(colours.max(initial=0)) + 1
+        if too_full(c, n):
+            return None
+        colourings[p] = (colours, c)
+    outs = [None] * len(eqn.outvars)
+    blocks = [dict() for _ in range(nk)]
+    for p in leaves:
+        colours, c = colourings[p]
+        seeds = jnp.asarray(np.eye(c)[colours].reshape(tuple(in_shapes[p]) + (c,)))
+        args, axes = [], []
+        for x in vals:
+            if isinstance(x, Lin):
+                if p in x.blocks:
+                    args.append(apply_block(x.blocks[p], seeds).astype(x.dtype))
+                else:
+                    args.append(jnp.zeros(tuple(x.shape) + (c,), x.dtype))
+                axes.append(-1)
+            else:
+                args.append(x)
+                axes.append(None)
+        compressed = jax.vmap(lambda *a: bind_eqn(eqn, a), in_axes=axes, out_axes=-1)(*args)
+        for k, (columns, live) in patterns[p]:
+            aval = eqn.outvars[k].aval
+            blocks[k][p] = decompress(
+                compressed[k], columns, live, colours, aval.shape, in_shapes[p], aval.dtype
+            )
+        ctx.record_colouring(str(eqn.primitive), c)
+    # Outputs that are not linear (constant carries, constant stacked outputs): as usual.
+    constant = bind_eqn(
+        eqn, [jnp.zeros(x.shape, x.dtype) if isinstance(x, Lin) else x for x in vals]
+    )
+    for k, v in enumerate(eqn.outvars):
+        if k < nk and structures[k] is not None:
+            outs[k] = Lin(blocks[k], v.aval.shape, v.aval.dtype)
+        else:
+            outs[k] = constant[k]
     return outs
 
 

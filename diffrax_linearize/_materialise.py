@@ -237,7 +237,7 @@ def _to_lin_outputs(outs, out_avals):
 
 def _structured_jacobian(spec: _Spec, consts, diff, rest):
     """Returns `blocks[q][p]`: the block of output leaf `q` w.r.t. input leaf `p`, or
-    `None` for zero; plus the record of densified primitives."""
+    `None` for zero; plus the interpreter's `Context` (which primitives lost structure)."""
     jaxpr = spec.jaxpr
     consts = spec.consts(consts)
 
@@ -266,7 +266,7 @@ def _structured_jacobian(spec: _Spec, consts, diff, rest):
     outs = interpret(ctx, lin.jaxpr, lin.consts, invals)
     outs = _to_lin_outputs(outs, out_avals)
     blocks = [[x.blocks.get(p) for p in range(len(diff))] for x in outs]
-    return blocks, ctx.densified
+    return blocks, ctx
 
 
 def _reverse(f_jvp, diff, out_avals):
@@ -289,7 +289,7 @@ def _reverse(f_jvp, diff, out_avals):
             b = outs[p].blocks.get(q)
             row.append(None if b is None else b.transpose_io())
         blocks.append(row)
-    return blocks, ctx.densified
+    return blocks, ctx
 
 
 def _without_dead_code(fn, *args):
@@ -308,8 +308,8 @@ def _run_dense(spec: _Spec, consts, diff, rest):
 
 
 def _dense_jacobian(spec: _Spec, consts, diff, rest):
-    blocks, densified = _structured_jacobian(spec, consts, diff, rest)
-    _check_strict(spec, densified)
+    blocks, ctx = _structured_jacobian(spec, consts, diff, rest)
+    _check_strict(spec, ctx.densified)
     out = []
     for q, row in enumerate(blocks):
         aval = spec.jaxpr.outvars[q].aval
@@ -419,10 +419,13 @@ def materialise(
     linearised at `args` first (`jax.linearize`), so `B @ tanh(A @ x)` costs one matrix-matrix
     product, `(B * sech²(A x)) @ A`, where `jax.jacfwd` pays two.
 
-    Structure kept per value: zero, identity, scaled identity, diagonal, dense, and
-    axis-level structure (identity or broadcast along some axes, diagonal along others). Every
-    primitive without a structure rule takes an exact dense fallback: its JVP vectorised over
-    the basis, never wrong, only slower; `strict=True` reports which ones did.
+    Structure kept per value: zero, identity, scaled identity, diagonal, dense, axis-level
+    structure (identity or broadcast along some axes, diagonal along others), and sparse
+    patterns known at trace time: block-diagonal systems, bands and stencils, gathers with
+    known indices (see [Sparse Jacobians of vector fields](../sparse.md);
+    [`diffrax_linearize.structure_report`][] says what was found). Every primitive without a
+    structure rule takes an exact dense fallback: its JVP vectorised over the basis, never
+    wrong, only slower; `strict=True` reports which ones did.
 
     Closed-over arrays are hoisted to arguments of the compiled kernel, and the kernel is
     cached on the text of the jaxpr, so an un-jitted call does not compile the closed-over
@@ -497,10 +500,14 @@ def materialise_operator(
 
     For one array in and one array out: an identity becomes a
     `lineax.IdentityLinearOperator`, a scaled identity or diagonal a
-    `lineax.DiagonalLinearOperator`, a dense map of vectors a `lineax.MatrixLinearOperator`,
-    anything else a `lineax.PyTreeLinearOperator`. With pytrees in or out, a
-    `lineax.PyTreeLinearOperator` of the whole Jacobian (its structure queries such as
-    `lineax.is_diagonal` then see a dense operator).
+    `lineax.DiagonalLinearOperator`, a block-diagonal, banded or other sparse pattern a
+    [`diffrax_linearize.BlockDiagonalLinearOperator`][],
+    `lineax.TridiagonalLinearOperator`, [`diffrax_linearize.BandedLinearOperator`][] or
+    [`diffrax_linearize.SparseLinearOperator`][] (solve them with
+    [`diffrax_linearize.StructuredLinearSolver`][]), a dense map of vectors a
+    `lineax.MatrixLinearOperator`, anything else a `lineax.PyTreeLinearOperator`. With
+    pytrees in or out, a `lineax.PyTreeLinearOperator` of the whole Jacobian (its structure
+    queries such as `lineax.is_diagonal` then see a dense operator).
 
     **Arguments:**
 
@@ -541,8 +548,8 @@ def _run_operator(spec: _Spec, consts, diff, rest, diff_tree, out_tree):
 
 def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     # Built inside `jit`, where the structure (a NumPy one for an identity, say) is known.
-    blocks, densified = _structured_jacobian(spec, consts, diff, rest)
-    _check_strict(spec, densified)
+    blocks, ctx = _structured_jacobian(spec, consts, diff, rest)
+    _check_strict(spec, ctx.densified)
     out_avals = [v.aval for v in spec.jaxpr.outvars]
     if jtu.treedef_is_leaf(diff_tree) and jtu.treedef_is_leaf(out_tree):
         return _block_operator(blocks[0][0], out_avals[0], diff[0].shape, diff[0].dtype)
@@ -582,9 +589,10 @@ class StructureReport:
     primitives that took the exact dense fallback. Returned by
     [`diffrax_linearize.structure_report`][]; `str(report)` is a table."""
 
-    def __init__(self, rows, densified):
+    def __init__(self, rows, densified, coloured):
         self.rows = rows
         self.densified = densified
+        self.coloured = coloured
 
     @property
     def kinds(self) -> list[str]:
@@ -600,6 +608,12 @@ class StructureReport:
             lines.append(f"\nDense fallback (structure lost): {names}")
         else:
             lines.append("\nNo dense fallback.")
+        if self.coloured:
+            names = ", ".join(
+                f"`{k}` ({', '.join(map(str, v))} colours)"
+                for k, v in sorted(self.coloured.items())
+            )
+            lines.append(f"Sparse fallback (compressed evaluations over a colouring): {names}")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -627,12 +641,12 @@ def structure_report(
     found = []
 
     def run(dynamic, diff, rest):
-        blocks, densified = _structured_jacobian(spec, dynamic, diff, rest)
-        found.append((blocks, densified))
+        blocks, ctx = _structured_jacobian(spec, dynamic, diff, rest)
+        found.append((blocks, ctx))
         return 0
 
     jax.eval_shape(run, dynamic, diff, rest)
-    blocks, densified = found[0]
+    blocks, ctx = found[0]
     in_paths = [
         jtu.keystr(p) or "x" for p, _ in jtu.tree_flatten_with_path(diff_tree.unflatten(diff))[0]
     ]
@@ -650,4 +664,4 @@ def structure_report(
             else:
                 text = b.describe()
             rows.append({"output": out_paths[q], "input": in_paths[p], "structure": text})
-    return StructureReport(rows, dict(densified))
+    return StructureReport(rows, dict(ctx.densified), dict(ctx.coloured))

@@ -490,3 +490,51 @@ def test_operator_errors():
             jnp.ones((2, 1)), np.array([[0, 1]]), jax.ShapeDtypeStruct((3,), jnp.float64)
         )
         lx.linear_solve(op, jnp.ones(2), dl.StructuredLinearSolver())
+
+
+# ---- the sparse fallback ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [3, 8])
+def test_loop_by_colouring(steps):
+    """A stencil applied `steps` times in a loop: no fixed point, so the pattern after
+    `steps` iterations is found abstractly and the values come from `2 steps + 1`
+    compressed evaluations of the loop (a band of that width), not from a dense basis."""
+    x = _input(100, jnp.float64)
+    fn = lambda y: lax.fori_loop(0, steps, lambda i, u: u + 0.1 * laplacian_pad(u), y)
+    report = dl.structure_report(fn, x)
+    assert report.coloured == {"scan": [2 * steps + 1]}
+    assert report.kinds[0].startswith(f"banded, offsets -{steps}..{steps}")
+    assert not report.densified
+    for mode in ("forward", "reverse"):
+        out = dl.materialise(fn, x, mode=mode, strict=True)
+        assert_tree_allclose(out, jax.jacfwd(fn)(x), rtol=1e-11, atol=1e-12)
+    assert isinstance(dl.materialise_operator(fn, x), dl.BandedLinearOperator)
+
+
+def test_colourings_are_valid():
+    from diffrax_linearize._colouring import _valid, colour_columns
+
+    rng = np.random.RandomState(0)
+    for trial in range(20):
+        n, rows, entries = 30, 25, int(rng.randint(1, 6))
+        columns = rng.randint(n, size=(entries, rows))
+        live = rng.rand(entries, rows) < 0.8
+        colours = colour_columns([(columns, live)], n, max_modular=4 if trial % 2 else 512)
+        assert _valid(colours, [(columns, live)])
+        # The check can fail: one colour for everything clashes in a row of two columns.
+    columns = np.array([[0], [1]])
+    assert not _valid(np.zeros(2, int), [(columns, np.ones((2, 1), bool))])
+
+
+def test_structure_report():
+    x = _input(3000, jnp.float64)
+    report = dl.structure_report(robertson_stack, x)
+    assert report.kinds == ["block-diagonal 1000 x 3 x 3: 9,000 numbers stored, dense 9,000,000"]
+    assert "No dense fallback" in str(report)
+    report = dl.structure_report(lambda y: _DOUBLE_FREE(y), x[:4])
+    assert report.kinds[0].startswith("dense")
+
+
+def _DOUBLE_FREE(y):
+    return jnp.outer(y, y).sum(0)
