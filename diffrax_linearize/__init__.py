@@ -28,6 +28,12 @@ from ._operators import (
     BlockDiagonalLinearOperator as BlockDiagonalLinearOperator,
     SparseLinearOperator as SparseLinearOperator,
 )
+from ._root_finder import Newton as Newton, VeryChord as VeryChord
+from ._solver.implicit import (
+    ImplicitEulerMaruyama as ImplicitEulerMaruyama,
+    ImplicitItoMilstein as ImplicitItoMilstein,
+    ImplicitStratonovichMilstein as ImplicitStratonovichMilstein,
+)
 from ._solver.milstein import (
     ItoMilstein as ItoMilstein,
     StratonovichMilstein as StratonovichMilstein,

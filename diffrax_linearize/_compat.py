@@ -9,6 +9,7 @@ import diffrax._adjoint as _diffrax_adjoint
 import jax
 import jax.extend.core as jex_core
 from diffrax._heuristics import is_sde as is_sde, is_unsafe_sde as is_unsafe_sde
+from diffrax._root_finder import use_stepsize_tol as use_stepsize_tol
 from diffrax._saveat import save_y as save_y
 from diffrax._solver.srk import AbstractSRK as AbstractSRK, AdditiveCoeffs as AdditiveCoeffs
 from jax.extend.core import primitives as _prims

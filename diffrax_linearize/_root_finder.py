@@ -1,0 +1,260 @@
+"""Root finders for Diffrax's implicit solvers whose Jacobians come from the structure
+engine: `diffrax.Kvaerno5(root_finder=diffrax_linearize.VeryChord())` factors a
+block-diagonal, banded or sparse `I - h γ J` instead of a dense one."""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import lineax as lx
+import optimistix as optx
+from jaxtyping import Array, Bool, PyTree, Scalar
+
+from ._compat import use_stepsize_tol
+from ._linear_solver import StructuredLinearSolver
+from ._materialise import materialise_operator
+
+
+def _small(diffsize: Scalar) -> Bool[Array, ""]:
+    resolution = 10 ** (2 - jnp.finfo(diffsize.dtype).precision)
+    return diffsize < resolution
+
+
+def _diverged(rate: Scalar) -> Bool[Array, ""]:
+    return jnp.invert(jnp.isfinite(rate)) | (rate > 2)
+
+
+def _converged(factor: Scalar, tol: float) -> Bool[Array, ""]:
+    return (factor > 0) & (factor < tol)
+
+
+def _jacobian(fn, y, args) -> lx.AbstractLinearOperator:
+    """The Jacobian of `y -> fn(y, args)[0]` as a structured operator: a block-diagonal,
+    banded or sparse pattern is kept (`diffrax_linearize.materialise_operator`)."""
+    return materialise_operator(lambda y, args: fn(y, args)[0], y, args)
+
+
+class _ChordState(eqx.Module):
+    linear_state: Any
+    diff: PyTree
+    diffsize: Scalar
+    diffsize_prev: Scalar
+    result: optx.RESULTS
+    step: Scalar
+
+
+def _initial_state(y, linear_state) -> _ChordState:
+    leaves = jtu.tree_leaves(y)
+    dtype = jnp.result_type(*leaves) if leaves else jnp.result_type(float)
+    dtype = jnp.finfo(dtype).dtype  # the real dtype of a complex state
+    return _ChordState(
+        linear_state=linear_state,
+        diff=jtu.tree_map(lambda x: jnp.full(x.shape, jnp.inf, x.dtype), y),
+        diffsize=jnp.array(jnp.inf, dtype=dtype),
+        diffsize_prev=jnp.array(1.0, dtype=dtype),
+        result=optx.RESULTS.successful,
+        step=jnp.array(0),
+    )
+
+
+def _update(solver, y, fx, jac, linear_state, state: _ChordState):
+    if linear_state is None:  # Newton: factored here
+        sol = lx.linear_solve(jac, fx, solver.linear_solver, throw=False)
+    else:
+        sol = lx.linear_solve(jac, fx, solver.linear_solver, state=linear_state, throw=False)
+    diff = sol.value
+    new_y = jtu.tree_map(lambda a, b: a - b, y, diff)
+    with jax.numpy_dtype_promotion("standard"):
+        scale = jtu.tree_map(lambda v: solver.atol + solver.rtol * jnp.abs(v), new_y)
+        diffsize = solver.norm(jtu.tree_map(lambda d, s: d / s, diff, scale))
+    new_state = _ChordState(
+        linear_state=state.linear_state,
+        diff=diff,
+        diffsize=jnp.asarray(diffsize, state.diffsize.dtype),
+        diffsize_prev=state.diffsize,
+        result=optx.RESULTS.promote(sol.result),
+        step=state.step + 1,
+    )
+    return new_y, new_state
+
+
+def _terminate(solver, state: _ChordState):
+    at_least_two = state.step >= 2
+    rate = state.diffsize / state.diffsize_prev
+    factor = state.diffsize * rate / (1 - rate)
+    small = _small(state.diffsize)
+    diverged = _diverged(rate)
+    converged = _converged(factor, solver.kappa)
+    terminate = at_least_two & (small | diverged | converged)
+    terminate_result = optx.RESULTS.where(
+        at_least_two & jnp.invert(small) & (diverged | jnp.invert(converged)),
+        optx.RESULTS.nonlinear_divergence,
+        optx.RESULTS.successful,
+    )
+    linsolve_fail = state.result != optx.RESULTS.successful
+    result = optx.RESULTS.where(linsolve_fail, state.result, terminate_result)
+    return linsolve_fail | terminate, result
+
+
+class VeryChord(optx.AbstractRootFinder):
+    """The chord method, linearised once per step, as `diffrax.VeryChord` (the root
+    finder of Diffrax's implicit solvers) with its Jacobian from the structure engine.
+
+    `diffrax.VeryChord` materialises `I - h γ J` through the identity basis and LU-factors
+    it dense: $O(n^3)$ per step and $O(n^2)$ memory, whatever the structure of the vector
+    field. Here the Jacobian of the stage function is
+    [`diffrax_linearize.materialise_operator`][] of it, so a block-diagonal, banded or
+    sparse pattern is kept through the shift, and it is factored by
+    [`diffrax_linearize.StructuredLinearSolver`][] (a batched LU, a banded LU, GMRES) or
+    LU where it is dense. Everything else (the iteration, its termination test, the
+    `init_state` option Diffrax's Runge-Kutta methods use to linearise once per step) is
+    `diffrax.VeryChord`'s. A drop-in:
+
+    ```python
+    import diffrax
+    import diffrax_linearize as dl
+
+    solver = diffrax.Kvaerno5(root_finder=dl.VeryChord())
+    ```
+    """
+
+    rtol: Any
+    atol: Any
+    norm: Callable[[PyTree], Scalar] | Any
+    kappa: float
+    linear_solver: lx.AbstractLinearSolver
+
+    def __init__(
+        self,
+        rtol=use_stepsize_tol,
+        atol=use_stepsize_tol,
+        norm=use_stepsize_tol,
+        kappa: float = 1e-2,
+        linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver(),
+    ):
+        """**Arguments:**
+
+        - `rtol`, `atol`, `norm`: the tolerances and the norm for terminating the solve.
+            By default they are taken from the step-size controller, as for Diffrax's
+            default root finder (`diffrax.with_stepsize_controller_tols`); pass all three
+            for a fixed step size.
+        - `kappa`: the tolerance of the early convergence check, as in `diffrax.VeryChord`.
+        - `linear_solver`: the linear solver for the Newton step. Defaults to
+            [`diffrax_linearize.StructuredLinearSolver`][].
+        """
+        self.rtol = rtol
+        self.atol = atol
+        self.norm = norm
+        self.kappa = kappa
+        self.linear_solver = linear_solver
+
+    def __check_init__(self):
+        _check_tols(self)
+
+    def init(self, fn, y, args, options, f_struct, aux_struct, tags):
+        try:
+            return options["init_state"]
+        except KeyError:
+            pass
+        jac = _jacobian(fn, y, args)
+        linear_state = self.linear_solver.init(jac, options={})
+        dynamic, static = eqx.partition(linear_state, eqx.is_array)
+        linear_state = eqx.combine(lax.stop_gradient(dynamic), static)
+        return _initial_state(y, (jac, linear_state))
+
+    def step(self, fn, y, args, options, state, tags):
+        fx, aux = fn(y, args)
+        jac, linear_state = state.linear_state
+        linear_state = lax.stop_gradient(linear_state)
+        new_y, new_state = _update(self, y, fx, jac, linear_state, state)
+        return new_y, new_state, aux
+
+    def terminate(self, fn, y, args, options, state, tags):
+        return _terminate(self, state)
+
+    def postprocess(self, fn, y, aux, args, options, state, tags, result):
+        return y, aux, {}
+
+
+class Newton(optx.AbstractRootFinder):
+    """Newton's method with its Jacobian from the structure engine, recomputed at every
+    iteration: as `optimistix.Newton` (with the termination test of
+    [`diffrax_linearize.VeryChord`][]), but `J` is
+    [`diffrax_linearize.materialise_operator`][] of the function, factored by
+    [`diffrax_linearize.StructuredLinearSolver`][]. For `root_finder=` of Diffrax's implicit
+    solvers, like [`diffrax_linearize.VeryChord`][]; more expensive per iteration, and
+    more robust on strongly nonlinear stage equations.
+    """
+
+    rtol: Any
+    atol: Any
+    norm: Callable[[PyTree], Scalar] | Any
+    kappa: float
+    linear_solver: lx.AbstractLinearSolver
+
+    def __init__(
+        self,
+        rtol=use_stepsize_tol,
+        atol=use_stepsize_tol,
+        norm=use_stepsize_tol,
+        kappa: float = 1e-2,
+        linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver(),
+    ):
+        """**Arguments:**
+
+        - `rtol`, `atol`, `norm`: the tolerances and the norm for terminating the solve.
+            By default they are taken from the step-size controller, as for Diffrax's
+            default root finder (`diffrax.with_stepsize_controller_tols`); pass all three
+            for a fixed step size.
+        - `kappa`: the tolerance of the early convergence check.
+        - `linear_solver`: the linear solver for the Newton step. Defaults to
+            [`diffrax_linearize.StructuredLinearSolver`][].
+        """
+        self.rtol = rtol
+        self.atol = atol
+        self.norm = norm
+        self.kappa = kappa
+        self.linear_solver = linear_solver
+
+    def __check_init__(self):
+        _check_tols(self)
+
+    def init(self, fn, y, args, options, f_struct, aux_struct, tags):
+        return _initial_state(y, None)
+
+    def step(self, fn, y, args, options, state, tags):
+        fx, aux = fn(y, args)
+        jac = _jacobian(fn, y, args)
+        new_y, new_state = _update(self, y, fx, jac, None, state)
+        return new_y, new_state, aux
+
+    def terminate(self, fn, y, args, options, state, tags):
+        return _terminate(self, state)
+
+    def postprocess(self, fn, y, aux, args, options, state, tags, result):
+        return y, aux, {}
+
+
+def _check_tols(solver):
+    name = f"diffrax_linearize.{type(solver).__name__}"
+    given = [getattr(solver, a) is not use_stepsize_tol for a in ("rtol", "atol", "norm")]
+    if any(given) and not all(given):
+        raise ValueError(
+            f"`{name}`: pass all of `rtol`, `atol` and `norm`, or none of them (then they "
+            "are taken from the step-size controller)."
+        )
+    for attr in ("rtol", "atol"):
+        value = getattr(solver, attr)
+        if value is not use_stepsize_tol and not (isinstance(value, int | float) and value >= 0):
+            raise ValueError(f"`{name}`: `{attr}` must be a non-negative number, got {value!r}.")
+    if not isinstance(solver.kappa, int | float) or solver.kappa <= 0:
+        raise ValueError(f"`{name}`: `kappa` must be a positive number.")
+    if not isinstance(solver.linear_solver, lx.AbstractLinearSolver):
+        raise TypeError(
+            f"`{name}`: `linear_solver` must be a `lineax.AbstractLinearSolver`, such as "
+            "`diffrax_linearize.StructuredLinearSolver()`."
+        )

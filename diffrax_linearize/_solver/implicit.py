@@ -1,0 +1,287 @@
+r"""Drift-implicit SDE solvers: the drift is treated implicitly (the theta method), the
+diffusion and the Milstein correction explicitly, so that stiff drifts (reaction-diffusion
+SPDEs, stiff mean reversion) can be stepped at the step size the noise needs, not the one
+the drift's stiffness forces on explicit methods.
+
+Each step solves $z - \theta\, \Delta t\, f(t_1, z) = r$ with a root finder whose Jacobian
+comes from the structure engine ([`diffrax_linearize.VeryChord`][] by default), so a
+block-diagonal, banded or sparse drift Jacobian is factored as such. Kloeden & Platen,
+Numerical Solution of Stochastic Differential Equations, section 12.2.
+"""
+
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import optimistix as optx
+from diffrax import (
+    AbstractImplicitSolver,
+    AbstractItoSolver,
+    AbstractStratonovichSolver,
+    LocalLinearInterpolation,
+    RESULTS,
+)
+
+from .._root_finder import VeryChord
+from .milstein import _milstein_step, _Terms, _Y
+from .milstein_general import _general_milstein_step
+
+
+def _default_root_finder():
+    return VeryChord(rtol=1e-8, atol=1e-8, norm=optx.max_norm)
+
+
+def _check(solver, name: str):
+    if not (isinstance(solver.theta, int | float) and 0 <= solver.theta <= 1):
+        raise ValueError(f"`diffrax_linearize.{name}`: `theta` must lie in [0, 1].")
+    if not isinstance(solver.root_finder, optx.AbstractRootFinder):
+        raise TypeError(
+            f"`diffrax_linearize.{name}`: `root_finder` must be an "
+            "`optimistix.AbstractRootFinder`, such as `diffrax_linearize.VeryChord(rtol=1e-8, "
+            "atol=1e-8, norm=optimistix.max_norm)`."
+        )
+    if not isinstance(solver.root_find_max_steps, int) or solver.root_find_max_steps < 1:
+        raise ValueError(f"`diffrax_linearize.{name}`: `root_find_max_steps` must be >= 1.")
+
+
+def _implicit_drift(solver, terms, t0, t1, y0, args, explicit: _Y):
+    r"""Given the explicit step `explicit` (drift at `t0`), solve
+    $z = \text{explicit} + \theta \Delta t (f(t_1, z) - f(t_0, y_0))$ for `z`."""
+    drift, _ = terms.terms
+    theta = solver.theta
+    if theta == 0:
+        return explicit, RESULTS.successful
+    f0 = drift.vf_prod(t0, y0, args, drift.contr(t0, t1))
+    with jax.numpy_dtype_promotion("standard"):
+        rhs = jtu.tree_map(lambda e, f: e - theta * f, explicit, f0)
+
+    def relation(z, args):
+        fz = drift.vf_prod(t1, z, args, drift.contr(t0, t1))
+        with jax.numpy_dtype_promotion("standard"):
+            return jtu.tree_map(lambda z, f, r: z - theta * f - r, z, fz, rhs)
+
+    sol = optx.root_find(
+        relation,
+        solver.root_finder,
+        explicit,
+        args,
+        throw=False,
+        max_steps=solver.root_find_max_steps,
+    )
+    return sol.value, RESULTS.promote(sol.result)
+
+
+class _DriftImplicit:
+    """What the drift-implicit solvers share: no solver state, local linear
+    interpolation, `func` evaluating the drift and the diffusion, and a `step` that takes
+    the solver's explicit step `_explicit(terms, t0, t1, y0, args)` and makes its drift
+    implicit."""
+
+    interpolation_cls: ClassVar = LocalLinearInterpolation
+    term_structure: ClassVar = _Terms
+
+    def order(self, terms):
+        return 1
+
+    def init(self, terms, t0, t1, y0, args):
+        return None
+
+    def func(self, terms, t0, y0, args):
+        drift, diffusion = terms.terms
+        return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        del solver_state, made_jump
+        explicit = self._explicit(terms, t0, t1, y0, args)
+        y1, result = _implicit_drift(self, terms, t0, t1, y0, args, explicit)
+        return y1, None, dict(y0=y0, y1=y1), None, result
+
+
+class ImplicitEulerMaruyama(_DriftImplicit, AbstractImplicitSolver, AbstractItoSolver):
+    r"""The drift-implicit Euler-Maruyama method (the theta method in the drift). Converges
+    to the Itô solution with strong order 0.5 (1 for additive noise). For the SDE
+    $\mathrm{d}y = f(t, y)\,\mathrm{d}t + g(t, y)\,\mathrm{d}W$, one step is
+
+    $$y_1 = y_0 + \big(\theta f(t_1, y_1) + (1 - \theta) f(t_0, y_0)\big) \Delta t
+    + g(t_0, y_0) \Delta W,$$
+
+    solved for $y_1$ with `root_finder`. With $\theta = 1$ (the default) it is
+    A-stable in the drift: bounded for any step on a stiff linear drift, where
+    `diffrax.Euler` needs $|h \lambda| < 2$.
+
+    Call with `terms=MultiTerm(drift_term, diffusion_term)`, as `diffrax.Euler`.
+    """
+
+    theta: float
+    root_finder: optx.AbstractRootFinder
+    root_find_max_steps: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        theta: float = 1.0,
+        root_finder: optx.AbstractRootFinder | None = None,
+        root_find_max_steps: int = 10,
+    ):
+        r"""**Arguments:**
+
+        - `theta`: the weight of the drift at the end of the step: `1` is fully implicit
+            (the default), `0.5` the trapezoidal rule, `0` explicit Euler-Maruyama.
+        - `root_finder`: solves for the end of the step. Defaults to
+            `diffrax_linearize.VeryChord(rtol=1e-8, atol=1e-8, norm=optimistix.max_norm)`,
+            whose Jacobian keeps the drift's structure. A root finder whose tolerances are
+            `diffrax`'s "taken from the step-size controller" default takes them from an
+            adaptive controller (with `diffrax.HalfSolver`).
+        - `root_find_max_steps`: the most root-finding iterations per step.
+        """
+        self.theta = theta
+        self.root_finder = _default_root_finder() if root_finder is None else root_finder
+        self.root_find_max_steps = root_find_max_steps
+
+    def __check_init__(self):
+        _check(self, "ImplicitEulerMaruyama")
+
+    def strong_order(self, terms):
+        return 0.5
+
+    def _explicit(self, terms, t0, t1, y0, args):
+        drift, diffusion = terms.terms
+        f0 = drift.vf_prod(t0, y0, args, drift.contr(t0, t1))
+        g0 = diffusion.vf_prod(t0, y0, args, diffusion.contr(t0, t1))
+        with jax.numpy_dtype_promotion("standard"):
+            return jtu.tree_map(lambda y, f, g: y + f + g, y0, f0, g0)
+
+
+class ImplicitItoMilstein(_DriftImplicit, AbstractImplicitSolver, AbstractItoSolver):
+    r"""Milstein's method with an implicit drift; Itô version. Strong order 1 on
+    commutative noise (on any noise with `general_noise=True`), and stable on stiff
+    drifts. One step is
+
+    $$y_1 = y_0 + \big(\theta f(t_1, y_1) + (1 - \theta) f(t_0, y_0)\big) \Delta t
+    + g \Delta W + \tfrac{1}{2} \sum_{j_1, j_2} (L^{j_1} g_{:, j_2})
+    (\Delta W_{j_1} \Delta W_{j_2} - \delta_{j_1 j_2} \Delta t),$$
+
+    with $g$ and $L^j g = \sum_k g_{kj} \partial_k g$ at $(t_0, y_0)$, solved for $y_1$ with
+    `root_finder` (Kloeden & Platen, section 12.2). The explicit part is
+    [`diffrax_linearize.ItoMilstein`][]'s step (or
+    [`diffrax_linearize.GeneralItoMilstein`][]'s, with simulated iterated integrals).
+
+    Call with `terms=MultiTerm(drift_term, diffusion_term)`, as
+    [`diffrax_linearize.ItoMilstein`][].
+    """
+
+    theta: float
+    general_noise: bool = eqx.field(static=True)
+    root_finder: optx.AbstractRootFinder
+    root_find_max_steps: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        theta: float = 1.0,
+        general_noise: bool = False,
+        root_finder: optx.AbstractRootFinder | None = None,
+        root_find_max_steps: int = 10,
+    ):
+        r"""**Arguments:**
+
+        - `theta`: the weight of the drift at the end of the step: `1` is fully implicit
+            (the default), `0.5` the trapezoidal rule, `0` the explicit Milstein method.
+        - `general_noise`: `False` (the default) for commutative noise: the Milstein
+            correction is one JVP, as in [`diffrax_linearize.ItoMilstein`][]. `True` for
+            any noise: the correction uses the iterated integrals of the Brownian motion,
+            as in [`diffrax_linearize.GeneralItoMilstein`][], and the diffusion's control
+            must be a [`diffrax_linearize.LevyAreaBrownianPath`][].
+        - `root_finder`: solves for the end of the step. Defaults to
+            `diffrax_linearize.VeryChord(rtol=1e-8, atol=1e-8, norm=optimistix.max_norm)`,
+            whose Jacobian keeps the drift's structure.
+        - `root_find_max_steps`: the most root-finding iterations per step.
+        """
+        self.theta = theta
+        self.general_noise = general_noise
+        self.root_finder = _default_root_finder() if root_finder is None else root_finder
+        self.root_find_max_steps = root_find_max_steps
+
+    def __check_init__(self):
+        _check(self, "ImplicitItoMilstein")
+        if not isinstance(self.general_noise, bool):
+            raise TypeError(
+                "`diffrax_linearize.ImplicitItoMilstein`: `general_noise` must be a bool."
+            )
+
+    def _explicit(self, terms, t0, t1, y0, args):
+        if self.general_noise:
+            return _general_milstein_step(
+                "ImplicitItoMilstein", True, "auto", terms, t0, t1, y0, args
+            )
+        return _milstein_step("ImplicitItoMilstein", True, False, terms, t0, t1, y0, args)
+
+    def strong_order(self, terms):
+        return 1
+
+
+class ImplicitStratonovichMilstein(
+    _DriftImplicit, AbstractImplicitSolver, AbstractStratonovichSolver
+):
+    r"""Milstein's method with an implicit drift; Stratonovich version. Strong order 1 on
+    commutative noise (on any noise with `general_noise=True`), and stable on stiff
+    drifts. One step is
+
+    $$y_1 = y_0 + \big(\theta f(t_1, y_1) + (1 - \theta) f(t_0, y_0)\big) \Delta t
+    + g \Delta W + \tfrac{1}{2} \sum_{j_1, j_2} (L^{j_1} g_{:, j_2})
+    \Delta W_{j_1} \Delta W_{j_2},$$
+
+    solved for $y_1$ with `root_finder`. The explicit part is
+    [`diffrax_linearize.StratonovichMilstein`][]'s step (or
+    [`diffrax_linearize.GeneralStratonovichMilstein`][]'s).
+
+    Call with `terms=MultiTerm(drift_term, diffusion_term)`, as
+    [`diffrax_linearize.StratonovichMilstein`][].
+    """
+
+    theta: float
+    general_noise: bool = eqx.field(static=True)
+    root_finder: optx.AbstractRootFinder
+    root_find_max_steps: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        theta: float = 1.0,
+        general_noise: bool = False,
+        root_finder: optx.AbstractRootFinder | None = None,
+        root_find_max_steps: int = 10,
+    ):
+        r"""**Arguments:**
+
+        - `theta`: the weight of the drift at the end of the step: `1` is fully implicit
+            (the default), `0.5` the trapezoidal rule, `0` the explicit Milstein method.
+        - `general_noise`: `False` (the default) for commutative noise: the Milstein
+            correction is one JVP, as in [`diffrax_linearize.StratonovichMilstein`][].
+            `True` for any noise: the correction uses the iterated integrals of the
+            Brownian motion, as in [`diffrax_linearize.GeneralStratonovichMilstein`][], and
+            the diffusion's control must be a [`diffrax_linearize.LevyAreaBrownianPath`][].
+        - `root_finder`: solves for the end of the step. Defaults to
+            `diffrax_linearize.VeryChord(rtol=1e-8, atol=1e-8, norm=optimistix.max_norm)`,
+            whose Jacobian keeps the drift's structure.
+        - `root_find_max_steps`: the most root-finding iterations per step.
+        """
+        self.theta = theta
+        self.general_noise = general_noise
+        self.root_finder = _default_root_finder() if root_finder is None else root_finder
+        self.root_find_max_steps = root_find_max_steps
+
+    def __check_init__(self):
+        _check(self, "ImplicitStratonovichMilstein")
+        if not isinstance(self.general_noise, bool):
+            raise TypeError(
+                "`diffrax_linearize.ImplicitStratonovichMilstein`: `general_noise` must be a bool."
+            )
+
+    def _explicit(self, terms, t0, t1, y0, args):
+        if self.general_noise:
+            return _general_milstein_step(
+                "ImplicitStratonovichMilstein", False, "auto", terms, t0, t1, y0, args
+            )
+        return _milstein_step("ImplicitStratonovichMilstein", False, False, terms, t0, t1, y0, args)
+
+    def strong_order(self, terms):
+        return 1

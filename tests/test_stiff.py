@@ -1,0 +1,315 @@
+"""Stiff problems: the structured root finders against Diffrax's default in Diffrax's own
+implicit solvers, and the drift-implicit SDE solvers against the exact solution of a stiff
+linear SDE, Diffrax's explicit solvers, and checkpointed gradients."""
+
+import diffrax
+import diffrax_linearize as dl
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import lineax as lx
+import numpy as np
+import optimistix as optx
+import pytest
+from helpers import assert_tree_allclose
+
+
+def robertson(t, y, args):
+    y = y.reshape(-1, 3)
+    y1, y2, y3 = y[:, 0], y[:, 1], y[:, 2]
+    d1 = -0.04 * y1 + 1e4 * y2 * y3
+    d3 = 3e7 * y2**2
+    return jnp.stack([d1, -d1 - d3, d3], axis=1).reshape(-1)
+
+
+def _robertson_solve(solver, N=4, t1=10.0):
+    y0 = jnp.tile(jnp.array([1.0, 0.0, 0.0]), N) * (1 + 0.1 * jnp.arange(3 * N) / (3 * N))
+    return diffrax.diffeqsolve(
+        diffrax.ODETerm(robertson),
+        solver,
+        0.0,
+        t1,
+        None,
+        y0,
+        saveat=diffrax.SaveAt(ts=jnp.linspace(0, t1, 5)),
+        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
+        max_steps=100_000,
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rf: diffrax.Kvaerno5(root_finder=rf),
+        lambda rf: diffrax.Kvaerno3(root_finder=rf),
+        lambda rf: diffrax.ImplicitEuler(root_finder=rf),
+    ],
+    ids=["Kvaerno5", "Kvaerno3", "ImplicitEuler"],
+)
+def test_very_chord_drop_in(make):
+    """The same steps and the same solution as Diffrax's default root finder."""
+    default = _robertson_solve(make(diffrax.with_stepsize_controller_tols(diffrax.VeryChord)()))
+    ours = _robertson_solve(make(dl.VeryChord()))
+    assert ours.stats["num_accepted_steps"] == default.stats["num_accepted_steps"]
+    assert ours.stats["num_rejected_steps"] == default.stats["num_rejected_steps"]
+    assert_tree_allclose(ours.ys, default.ys, rtol=1e-8, atol=1e-12)
+
+
+def test_newton_solves_the_same_problem():
+    reference = _robertson_solve(diffrax.Kvaerno5(), N=2)
+    ours = _robertson_solve(diffrax.Kvaerno5(root_finder=dl.Newton()), N=2)
+    assert_tree_allclose(ours.ys, reference.ys, rtol=1e-4, atol=1e-9)
+
+
+def test_kencarp_imex():
+    """An IMEX method: the stiff reaction implicit, a mild linear term explicit."""
+    explicit = diffrax.ODETerm(lambda t, y, args: -0.01 * y)
+    implicit = diffrax.ODETerm(robertson)
+    terms = diffrax.MultiTerm(explicit, implicit)
+    y0 = jnp.tile(jnp.array([1.0, 0.0, 0.0]), 3)
+
+    def solve(rf):
+        return diffrax.diffeqsolve(
+            terms,
+            diffrax.KenCarp4(root_finder=rf),
+            0.0,
+            1.0,
+            None,
+            y0,
+            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
+        )
+
+    default = solve(diffrax.with_stepsize_controller_tols(diffrax.VeryChord)())
+    ours = solve(dl.VeryChord())
+    assert_tree_allclose(ours.ys, default.ys, rtol=1e-8, atol=1e-12)
+
+
+def test_jacobian_is_structured():
+    """The stage Jacobian of N Robertson systems is block-diagonal, and factored as such."""
+    y = jnp.tile(jnp.array([1.0, 1e-5, 0.1]), 50)
+
+    def stage(z, args):
+        return z - 0.1 * robertson(0.0, z, None), None
+
+    state = dl.VeryChord(rtol=1e-8, atol=1e-8, norm=optx.max_norm).init(
+        stage, y, None, {}, None, None, frozenset()
+    )
+    jac, _ = state.linear_state
+    assert isinstance(jac, dl.BlockDiagonalLinearOperator)
+    assert jac.blocks.shape == (50, 3, 3)
+    dense = jax.jacfwd(lambda z: stage(z, None)[0])(y)
+    np.testing.assert_allclose(jac.as_matrix(), dense, rtol=1e-12)
+
+
+def test_fixed_steps_need_tolerances():
+    with pytest.raises(ValueError, match="tolerances for the implicit solver"):
+        diffrax.diffeqsolve(
+            diffrax.ODETerm(robertson),
+            diffrax.Kvaerno5(root_finder=dl.VeryChord()),
+            0.0,
+            1.0,
+            0.1,
+            jnp.array([1.0, 0.0, 0.0]),
+        )
+    tols = dict(rtol=1e-8, atol=1e-8, norm=optx.max_norm)
+
+    def solve(rf, f):
+        return diffrax.diffeqsolve(
+            diffrax.ODETerm(f),
+            diffrax.ImplicitEuler(root_finder=rf),
+            0.0,
+            1.0,
+            0.05,
+            jnp.array([1.0, 0.5, 2.0]),
+            throw=False,
+        )
+
+    # Diffrax's VeryChord converges on the linear problem and reports divergence on the
+    # nonlinear one at these fixed steps; ours does exactly the same.
+    for f, ok in [
+        (lambda t, y, args: -10.0 * y + jnp.cos(t), True),
+        (lambda t, y, args: -(y**3) - y, False),
+    ]:
+        ours, theirs = solve(dl.VeryChord(**tols), f), solve(diffrax.VeryChord(**tols), f)
+        assert (ours.result == diffrax.RESULTS.successful) == ok
+        assert ours.result == theirs.result
+        assert_tree_allclose(ours.ys, theirs.ys, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rtol=1e-3), "all of `rtol`, `atol` and `norm`"),
+        (dict(rtol=-1.0, atol=1.0, norm=optx.max_norm), "non-negative"),
+        (dict(kappa=0.0), "kappa"),
+        (dict(linear_solver="lu"), "lineax.AbstractLinearSolver"),
+    ],
+)
+def test_root_finder_errors(kwargs, match):
+    for cls in (dl.VeryChord, dl.Newton):
+        with pytest.raises((ValueError, TypeError), match=match):
+            cls(**kwargs)
+
+
+# ---- drift-implicit SDE solvers --------------------------------------------------------------
+#
+# dy = A y dt + sum_j B_j y dW_j with diagonal (so commuting) A, B_j: the exact solution is
+# y(t) = exp((A - sum_j B_j^2 / 2) t + sum_j B_j W_j(t)) y0, elementwise.
+
+_A = jnp.array([-1.0, -4.0, -20.0])
+_B = jnp.array([[0.3, 0.1], [0.2, 0.4], [0.5, 0.2]])  # diffusion g(y) = y[:, None] * B
+
+
+def _terms(bm, A=_A, B=_B):
+    drift = diffrax.ODETerm(lambda t, y, args: A * y)
+    diffusion = diffrax.ControlTerm(lambda t, y, args: y[:, None] * B, bm)
+    return diffrax.MultiTerm(drift, diffusion)
+
+
+def _exact(bm, A=_A, t=1.0, B=_B):
+    W = bm.evaluate(0.0, t)
+    return jnp.exp((A - 0.5 * jnp.sum(B**2, axis=1)) * t + B @ W)
+
+
+def _strong_errors(solver, dts, n_paths=400, A=_A, stratonovich=False, noise=1.0):
+    @jax.jit
+    @jax.vmap
+    def errors(key):
+        bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=2**-12, shape=(2,), key=key)
+        B = noise * _B
+        exact = _exact(bm, A, B=B)
+        if stratonovich:  # the same SDE in Stratonovich form has drift A - B^2/2
+            terms = _terms(bm, A - 0.5 * jnp.sum(B**2, axis=1), B)
+        else:
+            terms = _terms(bm, A, B)
+        out = []
+        for dt in dts:
+            y = diffrax.diffeqsolve(terms, solver, 0.0, 1.0, dt, jnp.ones(3)).ys[-1]
+            out.append(jnp.sum((y - exact) ** 2))
+        return jnp.stack(out)
+
+    e = errors(jr.split(jr.key(0), n_paths))
+    return np.sqrt(np.mean(np.asarray(e), axis=0))
+
+
+_DTS = [2.0**-3, 2.0**-4, 2.0**-5, 2.0**-6]
+
+
+@pytest.mark.parametrize(
+    "solver, stratonovich",
+    [(dl.ImplicitItoMilstein(), False), (dl.ImplicitStratonovichMilstein(), True)],
+    ids=["Ito", "Stratonovich"],
+)
+def test_implicit_milstein_strong_order(solver, stratonovich):
+    errs = _strong_errors(solver, _DTS, stratonovich=stratonovich)
+    order = np.polyfit(np.log(_DTS), np.log(errs), 1)[0]
+    assert 0.9 <= order <= 1.1, (order, errs)
+
+
+def test_implicit_euler_maruyama_strong_order():
+    # Strong noise, so that the noise's order-0.5 error dominates the drift's order-1 one.
+    errs = _strong_errors(dl.ImplicitEulerMaruyama(), _DTS, noise=4.0)
+    order = np.polyfit(np.log(_DTS), np.log(errs), 1)[0]
+    assert 0.4 <= order <= 0.65, (order, errs)
+
+
+@pytest.mark.parametrize(
+    "implicit, explicit",
+    [
+        (dl.ImplicitEulerMaruyama(), diffrax.Euler()),
+        (dl.ImplicitItoMilstein(), dl.ItoMilstein()),
+        (dl.ImplicitStratonovichMilstein(), dl.StratonovichMilstein()),
+    ],
+    ids=["EulerMaruyama", "ItoMilstein", "StratonovichMilstein"],
+)
+def test_stable_where_explicit_blows_up(implicit, explicit):
+    """h * lambda = -100 for the stiffest component."""
+    A = jnp.array([-1.0, -10.0, -1000.0])
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=2**-10, shape=(2,), key=jr.key(1))
+    terms = _terms(bm, A)
+    ys_i = diffrax.diffeqsolve(terms, implicit, 0.0, 1.0, 0.1, jnp.ones(3)).ys[-1]
+    ys_e = diffrax.diffeqsolve(terms, explicit, 0.0, 1.0, 0.1, jnp.ones(3), throw=False).ys[-1]
+    assert jnp.all(jnp.abs(ys_i) < 10)
+    assert not jnp.all(jnp.abs(ys_e) < 1e6)
+
+
+@pytest.mark.parametrize(
+    "implicit, explicit",
+    [
+        (dl.ImplicitEulerMaruyama(theta=0.0), diffrax.Euler()),
+        (dl.ImplicitItoMilstein(theta=0.0), dl.ItoMilstein()),
+        (dl.ImplicitStratonovichMilstein(theta=0.0), dl.StratonovichMilstein()),
+    ],
+    ids=["EulerMaruyama", "ItoMilstein", "StratonovichMilstein"],
+)
+def test_theta_zero_is_the_explicit_method(implicit, explicit):
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=2**-8, shape=(2,), key=jr.key(2))
+    a = diffrax.diffeqsolve(_terms(bm), implicit, 0.0, 1.0, 0.05, jnp.ones(3)).ys
+    b = diffrax.diffeqsolve(_terms(bm), explicit, 0.0, 1.0, 0.05, jnp.ones(3)).ys
+    np.testing.assert_allclose(a, b, rtol=1e-13)
+
+
+def test_general_noise():
+    """Non-commutative noise through the iterated integrals: with theta = 0 the step is
+    `GeneralItoMilstein`'s; with theta = 1 it is bounded where that one blows up."""
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=2**-8, shape=(2,), key=jr.key(3))
+    path = dl.LevyAreaBrownianPath(bm, dt=0.05)
+    M1 = jnp.array([[0.0, 0.3, 0.0], [0.0, 0.0, 0.2], [0.1, 0.0, 0.0]])
+    M2 = jnp.array([[0.2, 0.0, 0.0], [0.0, 0.0, 0.3], [0.0, 0.1, 0.0]])
+
+    def terms(A):
+        drift = diffrax.ODETerm(lambda t, y, args: A * y)
+        g = lambda t, y, args: jnp.stack([M1 @ y, M2 @ y], axis=1)
+        return diffrax.MultiTerm(drift, diffrax.ControlTerm(g, path))
+
+    a = diffrax.diffeqsolve(
+        terms(_A), dl.ImplicitItoMilstein(theta=0.0, general_noise=True), 0, 1, 0.05, jnp.ones(3)
+    ).ys
+    b = diffrax.diffeqsolve(terms(_A), dl.GeneralItoMilstein(), 0, 1, 0.05, jnp.ones(3)).ys
+    np.testing.assert_allclose(a, b, rtol=1e-13)
+    stiff = jnp.array([-1.0, -10.0, -2000.0])
+    y = diffrax.diffeqsolve(
+        terms(stiff), dl.ImplicitItoMilstein(general_noise=True), 0, 1, 0.05, jnp.ones(3)
+    ).ys
+    assert jnp.all(jnp.abs(y) < 10)
+
+
+def test_gradients_match_checkpointing():
+    A = jnp.array([-1.0, -30.0, -100.0])
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=2**-8, shape=(2,), key=jr.key(4))
+
+    def loss(y0, adjoint):
+        sol = diffrax.diffeqsolve(
+            _terms(bm, A), dl.ImplicitItoMilstein(), 0.0, 1.0, 0.05, y0, adjoint=adjoint
+        )
+        return jnp.sum(sol.ys[-1] ** 2)
+
+    y0 = jnp.array([1.0, 0.5, 2.0])
+    g = jax.grad(loss)(y0, diffrax.RecursiveCheckpointAdjoint())
+    eps = 1e-6
+    fd = jnp.stack(
+        [
+            (
+                loss(y0 + eps * e, diffrax.RecursiveCheckpointAdjoint())
+                - loss(y0 - eps * e, diffrax.RecursiveCheckpointAdjoint())
+            )
+            / (2 * eps)
+            for e in jnp.eye(3)
+        ]
+    )
+    np.testing.assert_allclose(g, fd, rtol=1e-5, atol=1e-9)
+    assert g[0] > 0.1  # the check can fail: the gradient is not zero
+
+
+def test_solver_errors():
+    for cls in (dl.ImplicitEulerMaruyama, dl.ImplicitItoMilstein):
+        with pytest.raises(ValueError, match="theta"):
+            cls(theta=2.0)
+        with pytest.raises(TypeError, match="root_finder"):
+            cls(root_finder=lx.LU())
+    with pytest.raises(TypeError, match="general_noise"):
+        dl.ImplicitItoMilstein(general_noise="yes")
+
+
+del eqx
