@@ -16,6 +16,7 @@ BENCHMARKS = {
     "step-cost": "benchmarks.step_cost",
     "materialise": "benchmarks.materialise",
     "structure": "benchmarks.structure",
+    "stiff": "benchmarks.stiff",
     "adjoint": "benchmarks.adjoint",
     "squared-grads": "benchmarks.squared_grads",
     "work-precision": "benchmarks.work_precision",

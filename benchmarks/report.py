@@ -30,6 +30,7 @@ TITLES = {
     "step_cost": "Step cost of one SDE step",
     "materialise": "materialise against jax.jacfwd",
     "structure": "Sparse structure in vector fields, against jax.jacfwd and asdex",
+    "stiff": "Stiff ODEs and SDEs: structured root finders and drift-implicit Milstein",
     "adjoint": "Backsolve adjoint",
     "squared_grads": "Squared per-example gradients",
     "work_precision": "Work-precision on non-commutative noise",
@@ -42,6 +43,7 @@ CASE_KEYS = {
     "step_cost": ("diffusion", "d", "m", "solver"),
     "materialise": ("problem", "N", "method"),
     "structure": ("field", "unknowns", "method"),
+    "stiff": ("problem", "N", "method", "steps"),
     "adjoint": ("solver", "adjoint", "d", "steps"),
     "squared_grads": ("model", "B", "method"),
     "work_precision": ("m", "method", "steps"),
@@ -179,6 +181,10 @@ def _notes(name: str, data: dict) -> list[str]:
             from benchmarks.structure import COLUMNS
 
             out += ["Side by side, per field and size:", "", markdown_table(value, COLUMNS), ""]
+        elif name == "stiff" and key == "summary":
+            from benchmarks.stiff import SUMMARY_COLUMNS
+
+            out += ["Per solve:", "", markdown_table(value, SUMMARY_COLUMNS), ""]
         else:
             listed.append(f"- {key}: {_cell(key, value)}")
     return (listed + [""] if listed else []) + out
@@ -453,6 +459,7 @@ PLOTTERS = {
     "step_cost": "benchmarks.step_cost",
     "materialise": "benchmarks.materialise",
     "structure": "benchmarks.structure",
+    "stiff": "benchmarks.stiff",
     "adjoint": "benchmarks.adjoint",
     "squared_grads": "benchmarks.squared_grads",
     "work_precision": "benchmarks.work_precision",

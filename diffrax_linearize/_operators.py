@@ -466,6 +466,9 @@ def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLine
                 mid = full[0] if full[0] is not None else zero
                 return lx.TridiagonalLinearOperator(mid, lo[1:], up[:-1])
             return BandedLinearOperator(diagonals, offsets, input_structure, output_structure)
+    # Entries that are not part of the matrix point at the diagonal (with value zero), so
+    # that the pattern a solver reads is the matrix's own.
+    own = np.broadcast_to(np.minimum(np.arange(m), max(n - 1, 0)), columns.shape)
     return SparseLinearOperator(
-        values, np.where(live, columns, 0), input_structure, output_structure
+        values, np.where(live, columns, own), input_structure, output_structure
     )

@@ -83,6 +83,16 @@ def _update(solver, y, fx, jac, linear_state, state: _ChordState):
 
 
 def _terminate(solver, state: _ChordState):
+    linsolve_fail = state.result != optx.RESULTS.successful
+    if solver.cauchy_termination:
+        # The last update is within the tolerances: atol + rtol |y|, in `norm`.
+        converged = (state.step >= 1) & (state.diffsize < 1)
+        diverged = (state.step >= 1) & jnp.invert(jnp.isfinite(state.diffsize))
+        result = optx.RESULTS.where(
+            diverged, optx.RESULTS.nonlinear_divergence, optx.RESULTS.successful
+        )
+        result = optx.RESULTS.where(linsolve_fail, state.result, result)
+        return linsolve_fail | converged | diverged, result
     at_least_two = state.step >= 2
     rate = state.diffsize / state.diffsize_prev
     factor = state.diffsize * rate / (1 - rate)
@@ -95,7 +105,6 @@ def _terminate(solver, state: _ChordState):
         optx.RESULTS.nonlinear_divergence,
         optx.RESULTS.successful,
     )
-    linsolve_fail = state.result != optx.RESULTS.successful
     result = optx.RESULTS.where(linsolve_fail, state.result, terminate_result)
     return linsolve_fail | terminate, result
 
@@ -127,6 +136,7 @@ class VeryChord(optx.AbstractRootFinder):
     norm: Callable[[PyTree], Scalar] | Any
     kappa: float
     linear_solver: lx.AbstractLinearSolver
+    cauchy_termination: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -135,6 +145,7 @@ class VeryChord(optx.AbstractRootFinder):
         norm=use_stepsize_tol,
         kappa: float = 1e-2,
         linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver(),
+        cauchy_termination: bool = False,
     ):
         """**Arguments:**
 
@@ -145,12 +156,19 @@ class VeryChord(optx.AbstractRootFinder):
         - `kappa`: the tolerance of the early convergence check, as in `diffrax.VeryChord`.
         - `linear_solver`: the linear solver for the Newton step. Defaults to
             [`diffrax_linearize.StructuredLinearSolver`][].
+        - `cauchy_termination`: `False` (the default) terminates as `diffrax.VeryChord`
+            does, by the estimated rate of convergence (the same iterations, so the same
+            steps as Diffrax's default). `True` terminates as soon as an update is within
+            the tolerances, the test `optimistix.Chord` uses by default: robust where the
+            first iterate is already converged (fixed steps), where the rate test can
+            report divergence.
         """
         self.rtol = rtol
         self.atol = atol
         self.norm = norm
         self.kappa = kappa
         self.linear_solver = linear_solver
+        self.cauchy_termination = cauchy_termination
 
     def __check_init__(self):
         _check_tols(self)
@@ -182,8 +200,7 @@ class VeryChord(optx.AbstractRootFinder):
 
 class Newton(optx.AbstractRootFinder):
     """Newton's method with its Jacobian from the structure engine, recomputed at every
-    iteration: as `optimistix.Newton` (with the termination test of
-    [`diffrax_linearize.VeryChord`][]), but `J` is
+    iteration: as `optimistix.Newton`, but `J` is
     [`diffrax_linearize.materialise_operator`][] of the function, factored by
     [`diffrax_linearize.StructuredLinearSolver`][]. For `root_finder=` of Diffrax's implicit
     solvers, like [`diffrax_linearize.VeryChord`][]; more expensive per iteration, and
@@ -195,6 +212,7 @@ class Newton(optx.AbstractRootFinder):
     norm: Callable[[PyTree], Scalar] | Any
     kappa: float
     linear_solver: lx.AbstractLinearSolver
+    cauchy_termination: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -203,6 +221,7 @@ class Newton(optx.AbstractRootFinder):
         norm=use_stepsize_tol,
         kappa: float = 1e-2,
         linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver(),
+        cauchy_termination: bool = True,
     ):
         """**Arguments:**
 
@@ -210,15 +229,19 @@ class Newton(optx.AbstractRootFinder):
             By default they are taken from the step-size controller, as for Diffrax's
             default root finder (`diffrax.with_stepsize_controller_tols`); pass all three
             for a fixed step size.
-        - `kappa`: the tolerance of the early convergence check.
+        - `kappa`: the tolerance of the rate-of-convergence test.
         - `linear_solver`: the linear solver for the Newton step. Defaults to
             [`diffrax_linearize.StructuredLinearSolver`][].
+        - `cauchy_termination`: `True` (the default, as `optimistix.Newton`) terminates as
+            soon as an update is within the tolerances; `False` by the estimated rate of
+            convergence, as [`diffrax_linearize.VeryChord`][] does by default.
         """
         self.rtol = rtol
         self.atol = atol
         self.norm = norm
         self.kappa = kappa
         self.linear_solver = linear_solver
+        self.cauchy_termination = cauchy_termination
 
     def __check_init__(self):
         _check_tols(self)

@@ -29,7 +29,9 @@ from .milstein_general import _general_milstein_step
 
 
 def _default_root_finder():
-    return VeryChord(rtol=1e-8, atol=1e-8, norm=optx.max_norm)
+    # Fixed steps: terminate once an update is within the tolerances (the rate test of
+    # `diffrax.VeryChord` reports divergence when the predictor is already converged).
+    return VeryChord(rtol=1e-8, atol=1e-8, norm=optx.max_norm, cauchy_termination=True)
 
 
 def _check(solver, name: str):
@@ -128,7 +130,8 @@ class ImplicitEulerMaruyama(_DriftImplicit, AbstractImplicitSolver, AbstractItoS
         - `theta`: the weight of the drift at the end of the step: `1` is fully implicit
             (the default), `0.5` the trapezoidal rule, `0` explicit Euler-Maruyama.
         - `root_finder`: solves for the end of the step. Defaults to
-            `diffrax_linearize.VeryChord(rtol=1e-8, atol=1e-8, norm=optimistix.max_norm)`,
+            [`diffrax_linearize.VeryChord`][] with `rtol = atol = 1e-8`,
+            `norm=optimistix.max_norm` and `cauchy_termination=True`,
             whose Jacobian keeps the drift's structure. A root finder whose tolerances are
             `diffrax`'s "taken from the step-size controller" default takes them from an
             adaptive controller (with `diffrax.HalfSolver`).
@@ -192,7 +195,8 @@ class ImplicitItoMilstein(_DriftImplicit, AbstractImplicitSolver, AbstractItoSol
             as in [`diffrax_linearize.GeneralItoMilstein`][], and the diffusion's control
             must be a [`diffrax_linearize.LevyAreaBrownianPath`][].
         - `root_finder`: solves for the end of the step. Defaults to
-            `diffrax_linearize.VeryChord(rtol=1e-8, atol=1e-8, norm=optimistix.max_norm)`,
+            [`diffrax_linearize.VeryChord`][] with `rtol = atol = 1e-8`,
+            `norm=optimistix.max_norm` and `cauchy_termination=True`,
             whose Jacobian keeps the drift's structure.
         - `root_find_max_steps`: the most root-finding iterations per step.
         """
@@ -260,7 +264,8 @@ class ImplicitStratonovichMilstein(
             Brownian motion, as in [`diffrax_linearize.GeneralStratonovichMilstein`][], and
             the diffusion's control must be a [`diffrax_linearize.LevyAreaBrownianPath`][].
         - `root_finder`: solves for the end of the step. Defaults to
-            `diffrax_linearize.VeryChord(rtol=1e-8, atol=1e-8, norm=optimistix.max_norm)`,
+            [`diffrax_linearize.VeryChord`][] with `rtol = atol = 1e-8`,
+            `norm=optimistix.max_norm` and `cauchy_termination=True`,
             whose Jacobian keeps the drift's structure.
         - `root_find_max_steps`: the most root-finding iterations per step.
         """
