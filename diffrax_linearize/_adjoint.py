@@ -467,6 +467,47 @@ def _loop_backsolve_bwd(
 # --- the public adjoint
 
 
+# The types of `BacksolveAdjoint`'s keyword arguments, with an example of each.
+_KWARG_TYPES = {
+    "solver": (diffrax.AbstractSolver, "diffrax.Heun()"),
+    "stepsize_controller": (
+        diffrax.AbstractStepSizeController,
+        "diffrax.PIDController(rtol=1e-3, atol=1e-6)",
+    ),
+    "adjoint": (diffrax.AbstractAdjoint, "diffrax.RecursiveCheckpointAdjoint()"),
+}
+
+
+def _check_kwarg(name: str, value) -> None:
+    got = f"got {value!r} ({type(value).__name__})"
+    if name in _KWARG_TYPES:
+        cls, example = _KWARG_TYPES[name]
+        if isinstance(value, cls):
+            return
+        if isinstance(value, type) and issubclass(value, cls):
+            raise TypeError(
+                f"`{_API}({name}=...)` takes an instance, got the class "
+                f"`{value.__name__}`: pass `{name}={value.__module__.split('.')[0]}."
+                f"{value.__name__}(...)`."
+            )
+        raise TypeError(
+            f"`{_API}({name}=...)` must be a `diffrax.{cls.__name__}`, such as "
+            f"`{name}={example}`; {got}."
+        )
+    is_bool = isinstance(value, bool)
+    if name == "throw" and not is_bool:
+        raise TypeError(f"`{_API}(throw=...)` must be `True` or `False`; {got}.")
+    if name == "max_steps" and value is not None and (is_bool or not isinstance(value, int)):
+        raise TypeError(f"`{_API}(max_steps=...)` must be an int or `None`; {got}.")
+    if name == "dt0" and value is not None:
+        real = eqx.is_array_like(value) and jnp.isrealobj(value) and jnp.ndim(value) == 0
+        if is_bool or not real:
+            raise TypeError(
+                f"`{_API}(dt0=...)` must be a real scalar (the initial step of the backward "
+                f"solve, negative as it runs from `t1` to `t0`) or `None`; {got}."
+            )
+
+
 class BacksolveAdjoint(diffrax.AbstractAdjoint):
     r"""Backpropagate through `diffrax.diffeqsolve` by solving the continuous adjoint
     equations backwards in time: a drop-in replacement for `diffrax.BacksolveAdjoint`
@@ -524,6 +565,8 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
                 f"`{_API}` got unexpected keyword arguments {sorted(invalid)}; the valid "
                 f"ones are the backward solve's {sorted(valid)}."
             )
+        for name, value in kwargs.items():
+            _check_kwarg(name, value)
         self.kwargs = kwargs
 
     def loop(
@@ -540,14 +583,21 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
         **kwargs,
     ):
         use_instead = "Use `diffrax.RecursiveCheckpointAdjoint` (the default) instead."
+        save_at_ts = (
+            "Save at `diffrax.SaveAt(ts=...)` with this adjoint, or use "
+            "`diffrax.RecursiveCheckpointAdjoint` (the default)."
+        )
+        if saveat.dense:
+            raise NotImplementedError(
+                f"`{_API}` does not support `diffrax.SaveAt(dense=True)`. {save_at_ts}"
+            )
         if jtu.tree_structure(saveat.subs, is_leaf=_is_subsaveat) != jtu.tree_structure(0):
             raise NotImplementedError(
                 f"`{_API}` does not support `diffrax.SaveAt(subs=...)`. {use_instead}"
             )
-        if saveat.dense or saveat.subs.steps:
+        if saveat.subs.steps:
             raise NotImplementedError(
-                f"`{_API}` does not support `diffrax.SaveAt(steps=True)` or "
-                f"`diffrax.SaveAt(dense=True)`: save at `ts=...` instead. {use_instead}"
+                f"`{_API}` does not support `diffrax.SaveAt(steps=True)`. {save_at_ts}"
             )
         if saveat.subs.fn is not save_y:
             raise NotImplementedError(

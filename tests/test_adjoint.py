@@ -267,3 +267,38 @@ def test_errors():
         ValueError, match=r"diffrax_linearize\.BacksolveAdjoint.*UnsafeBrownianPath"
     ):
         _solve(dl.BacksolveAdjoint(), unsafe=True)
+
+
+def test_constructor_arguments_checked():
+    api = r"diffrax_linearize\.BacksolveAdjoint"
+    for kwargs, wanted in [
+        (dict(solver="heun"), rf"{api}\(solver=\.\.\.\)` must be a `diffrax.AbstractSolver`"),
+        (dict(solver=diffrax.Heun), r"takes an instance, got the class `Heun`"),
+        (dict(stepsize_controller=0.1), r"must be a `diffrax.AbstractStepSizeController`"),
+        (dict(adjoint="backsolve"), r"must be a `diffrax.AbstractAdjoint`"),
+        (dict(dt0="0.1"), r"\(dt0=\.\.\.\)` must be a real scalar"),
+        (dict(max_steps=10.5), r"\(max_steps=\.\.\.\)` must be an int or `None`"),
+        (dict(throw="yes"), r"\(throw=\.\.\.\)` must be `True` or `False`"),
+    ]:
+        with pytest.raises(TypeError, match=wanted):
+            dl.BacksolveAdjoint(**kwargs)
+    # Valid arguments are accepted.
+    dl.BacksolveAdjoint(
+        solver=diffrax.Heun(),
+        stepsize_controller=diffrax.ConstantStepSize(),
+        adjoint=diffrax.RecursiveCheckpointAdjoint(),
+        dt0=-0.1,
+        max_steps=100,
+        throw=False,
+    )
+
+
+def test_saveat_errors_name_what_was_asked():
+    for saveat, flag in [
+        (diffrax.SaveAt(dense=True), "dense=True"),
+        (diffrax.SaveAt(steps=True), "steps=True"),
+    ]:
+        with pytest.raises(NotImplementedError, match=rf"SaveAt\({flag}\)") as info:
+            _solve(dl.BacksolveAdjoint(), saveat=saveat)
+        message = str(info.value)
+        assert "subs" not in message and message.count("instead") <= 1, message
