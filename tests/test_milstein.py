@@ -524,3 +524,25 @@ def test_solver_metadata():
             ours.order(terms)
     assert isinstance(dl.ItoMilstein(), dfx.AbstractItoSolver)
     assert isinstance(dl.StratonovichMilstein(), dfx.AbstractStratonovichSolver)
+
+
+def test_constructor_arguments_checked():
+    for cls in (dl.ItoMilstein, dl.StratonovichMilstein):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}\(check_commutativity=\.\.\.\)"):
+            cls(check_commutativity="yes")  # pyright: ignore
+        with pytest.raises(TypeError, match="must be `True` or `False`, got 1"):
+            cls(check_commutativity=1)  # pyright: ignore
+        assert cls(check_commutativity=True).check_commutativity is True
+
+
+def test_commutativity_message_is_plain_text_and_suggests_general_solvers():
+    vf, shape = DIFFUSIONS["general_linear"]
+    for cls in (dl.ItoMilstein, dl.StratonovichMilstein):
+        with pytest.raises(eqx.EquinoxRuntimeError) as info:
+            _steps([cls(check_commutativity=True)], vf, shape)
+        message = str(info.value)
+        assert f"diffrax_linearize.General{cls.__name__}" in message
+        assert "diffrax_linearize.LevyAreaBrownianPath" in message
+        # No LaTeX: no maths delimiters, commands or braces.
+        assert not any(c in message for c in "$\\{}"), message
+

@@ -35,6 +35,7 @@ _Terms: TypeAlias = MultiTerm[
     tuple[AbstractTerm[Any, _RealScalarLike], AbstractTerm[Any, AbstractBrownianIncrement]]
 ]
 ContractionMethod = Literal["auto", "contract", "jvp"]
+_METHODS = ("auto", "contract", "jvp")
 
 # `method="auto"` contracts the materialised derivative (d x m x d numbers) up to this size,
 # and falls back to m JVPs above it, so that memory stays bounded.
@@ -116,13 +117,8 @@ def _general_milstein_step(
         (y_leaf,) = leaves
         correction = _double_sum_contract(diffusion, t0, y_leaf, args, integrals)
         correction = jtu.tree_unflatten(jtu.tree_structure(y0), [correction])
-    elif how == "jvp":
-        correction = _double_sum_jvp(diffusion, t0, y0, args, integrals)
     else:
-        raise ValueError(
-            f"`diffrax_linearize.{name}`: `method` must be 'auto', 'contract' or 'jvp', "
-            f"got {method!r}."
-        )
+        correction = _double_sum_jvp(diffusion, t0, y0, args, integrals)
     with jax.numpy_dtype_promotion("standard"):
         return jtu.tree_map(
             lambda y, f, g, c: y + f + g + c.astype(jnp.result_type(y)),
@@ -159,8 +155,17 @@ _DOC_COMMON = r"""
     `evaluate(t0, t1, use_levy=True)`. The strong order is one for any noise, provided the
     Lévy areas are accurate to $O(h^{3/2})$ in $L^2$ (the default `dt=` rule of
     `LevyAreaBrownianPath`). Fixed steps only: for adaptive steps the areas of a step that
-    is halved are not Chen-consistent with those of the halves.
+    is halved are not Chen-consistent with those of the halves, so wrapping the solver in
+    `diffrax.HalfSolver` raises an error.
 """
+
+
+def _check_method(solver):
+    if solver.method not in _METHODS:
+        raise ValueError(
+            f"`diffrax_linearize.{type(solver).__name__}(method=...)` must be one of "
+            f"{', '.join(map(repr, _METHODS))}, got {solver.method!r}."
+        )
 
 
 class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
@@ -180,6 +185,10 @@ class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
 
     term_structure: ClassVar = _Terms
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
+    fixed_steps_only: ClassVar[bool] = True
+
+    def __check_init__(self):
+        _check_method(self)
 
     def _y1(self, terms, t0, t1, y0, args):
         return _general_milstein_step(
@@ -205,6 +214,10 @@ class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
 
     term_structure: ClassVar = _Terms
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
+    fixed_steps_only: ClassVar[bool] = True
+
+    def __check_init__(self):
+        _check_method(self)
 
     def _y1(self, terms, t0, t1, y0, args):
         return _general_milstein_step(
