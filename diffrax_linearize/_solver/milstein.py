@@ -329,6 +329,13 @@ class ItoMilstein(MilsteinCommon, AbstractItoSolver):
     same result on the same Brownian path up to floating-point rounding. Unlike Diffrax
     0.7.2's, it accepts PyTree-valued Brownian motions. For adaptive step sizes, wrap
     it in `diffrax.HalfSolver`.
+
+    Complex states and complex Brownian motions (real and imaginary parts independent,
+    as Diffrax samples them) work: the result is that of `diffrax.ItoMilstein` on the
+    equivalent real SDE for $(\mathrm{Re}\,y, \mathrm{Im}\,y)$. Diffrax 0.7.2's
+    `diffrax.ItoMilstein` run on complex input differs from that by about $10^{-2}$ per
+    step of size $0.1$, even with a real Brownian motion: there this solver is not a
+    drop-in, it is a correction.
     """
 
     check_commutativity: bool = eqx.field(default=False, static=True)
