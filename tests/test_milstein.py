@@ -363,6 +363,57 @@ def test_halfsolver_pidcontroller():
     assert err_tight < 1e-2
 
 
+def _adaptive(solver, vf, key, rtol=1e-4):
+    shape = (2,) if vf is _vf_noncommuting_2 else (D,)
+    sol = dfx.diffeqsolve(
+        _terms(vf, _vbt(shape, key)),
+        dfx.HalfSolver(solver),
+        T0,
+        T1,
+        None,
+        _Y0,
+        stepsize_controller=dfx.PIDController(rtol=rtol, atol=rtol),
+        saveat=dfx.SaveAt(steps=True),
+        max_steps=4096,
+    )
+    n = int(sol.stats["num_accepted_steps"])
+    return np.asarray(sol.ts[:n]), np.asarray(sol.ys[:n])
+
+
+def _vf_noncommuting_2(t, y, args):
+    return jnp.sin(y)[:, None] * jnp.array([[0.3, -0.2], [0.1, 0.4], [-0.5, 0.2]])
+
+
+@pytest.mark.parametrize("vf", [_vf_diagonal_dense, _vf_noncommuting_2], ids=["diagonal", "yG"])
+def test_adaptive_stratonovich_path_identical_to_diffrax(vf):
+    # The Stratonovich step is the same single JVP as Diffrax's, so even the rounding is
+    # the same: every accepted time and state of an adaptive solve equal bit for bit.
+    ts, ys = _adaptive(dl.StratonovichMilstein(), vf, jr.key(0))
+    ts_ref, ys_ref = _adaptive(dfx.StratonovichMilstein(), vf, jr.key(0))
+    assert len(ts) > 20
+    np.testing.assert_array_equal(ts, ts_ref)
+    np.testing.assert_array_equal(ys, ys_ref)
+
+
+def test_adaptive_ito_agrees_with_diffrax_to_tolerance():
+    # The Itô step differs from Diffrax's by rounding only (the correction is a JVP minus
+    # dt times the trace term, where Diffrax contracts a d x m x m tensor), and the step-size
+    # controller can turn an ulp in an error estimate into a different step sequence, so
+    # adaptive paths need not be identical (docs: "Parity with Diffrax"). They are equally
+    # good solutions: the same to well within the tolerance, and the same distance from a
+    # fine fixed-step solution on the same Brownian path.
+    rtol = 1e-3
+    for seed in range(3):
+        key = jr.key(seed)
+        terms = _terms(_vf_noncommuting_2, _vbt((2,), key))
+        fine = dfx.diffeqsolve(terms, dfx.ItoMilstein(), T0, T1, 2**-12, _Y0).ys[-1]
+        ours = _adaptive(dl.ItoMilstein(), _vf_noncommuting_2, key, rtol)[1][-1]
+        theirs = _adaptive(dfx.ItoMilstein(), _vf_noncommuting_2, key, rtol)[1][-1]
+        assert np.max(np.abs(ours - theirs)) < rtol
+        err_ours, err_theirs = np.max(np.abs(ours - fine)), np.max(np.abs(theirs - fine))
+        assert abs(err_ours - err_theirs) < 0.1 * err_theirs + rtol
+
+
 #
 # Strong order of convergence
 #
