@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-latest bench docs lint clean
+.PHONY: demo test test-latest test-diffrax bench docs lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,15 @@ PYTHON_LATEST ?= python3.12
 test-latest:
 	$(PYTHON_LATEST) -m venv .venv-latest
 	.venv-latest/bin/python -m pip install -q --upgrade pip
-	.venv-latest/bin/python -m pip install -q --upgrade -e '.[test]'
-	.venv-latest/bin/python -c "import jax; print('jax', jax.__version__)"
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+	.venv-latest/bin/python -c "import importlib.metadata as m, sys; print('Python', sys.version.split()[0], *(f'{p} {m.version(p)}' for p in ('jax', 'jaxlib', 'diffrax', 'equinox', 'lineax')))"
 	.venv-latest/bin/python -m pytest -q
+
+# Diffrax 0.7.2's own tests with our ItoMilstein, StratonovichMilstein and BacksolveAdjoint
+# in place of Diffrax's (not part of `make test`; see tests/diffrax_suite.py for where the
+# tests come from: DIFFRAX_GIT=/path/to/diffrax-clone or DIFFRAX_TESTS=/path/to/test).
+test-diffrax: $(STAMP)
+	$(PY) tests/diffrax_suite.py -q
 
 docs: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
@@ -43,4 +49,4 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .venv-latest site .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest site .pytest_cache .ruff_cache .diffrax-tests
