@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-latest bench docs chromium check-wheel lint clean
+.PHONY: demo test test-latest test-diffrax bench docs chromium check-wheel lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,15 @@ PYTHON_LATEST ?= python3.12
 test-latest:
 	$(PYTHON_LATEST) -m venv .venv-latest
 	.venv-latest/bin/python -m pip install -q --upgrade pip
-	.venv-latest/bin/python -m pip install -q --upgrade -e '.[test]'
-	.venv-latest/bin/python -c "import jax; print('jax', jax.__version__)"
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+	.venv-latest/bin/python -c "import importlib.metadata as m, sys; print('Python', sys.version.split()[0], *(f'{p} {m.version(p)}' for p in ('jax', 'jaxlib', 'diffrax', 'equinox', 'lineax')))"
 	.venv-latest/bin/python -m pytest -q
+
+# Diffrax 0.7.2's own tests with our ItoMilstein, StratonovichMilstein and BacksolveAdjoint
+# in place of Diffrax's (not part of `make test`; see tests/diffrax_suite.py for where the
+# tests come from: DIFFRAX_GIT=/path/to/diffrax-clone or DIFFRAX_TESTS=/path/to/test).
+test-diffrax: $(STAMP)
+	$(PY) tests/diffrax_suite.py -q
 
 # The site, then the checks on it (tests/test_site.py): every public name described, no
 # network requests, and the maths typeset offline in a headless Chromium (screenshot in
@@ -71,4 +77,4 @@ check-wheel: $(STAMP)
 		print('import diffrax_linearize', dl.__version__, 'from', dl.__file__)"
 
 clean:
-	rm -rf $(VENV) .venv-latest site build .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest site build .pytest_cache .ruff_cache .diffrax-tests

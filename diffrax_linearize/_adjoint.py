@@ -1,6 +1,10 @@
 """The continuous (backsolve) adjoint, with the adjoint vector field taken from the
 structure engine, for the solvers and SDEs that `diffrax.BacksolveAdjoint` rejects.
 
+The backward solve runs forwards in reversed time (`_TimeReversed`), so that solvers
+that read the step or the Lévy areas directly (stochastic Runge-Kutta) see true
+increments.
+
 Diffrax's `AdjointTerm.vf` materialises the linear map `control -> vf_prod(..., control)`
 with `jax.jacfwd`/`jax.jacrev` over the control: $1 + m$ forward-over-reverse passes per
 evaluation. Here the same matrix comes from [`diffrax_linearize.materialise`][], and the
@@ -31,6 +35,7 @@ from ._compat import (
     only_transpose_ys as _only_transpose_ys,
     save_y,
 )
+from ._levy_area import IteratedIntegrals
 from ._materialise import materialise
 from ._solver.milstein import (
     ItoMilstein as _OurItoMilstein,
@@ -194,6 +199,99 @@ def _adjoint_terms(terms, convert: Callable, split: bool):
         n = len(converted.terms)
         return diffrax.MultiTerm(*[_AdjointTerm(terms, convert, i) for i in range(n)])
     return _AdjointTerm(terms, convert, None)
+
+
+# --- the backward solve, forwards in reversed time
+
+
+def _is_brownian(term: diffrax.AbstractTerm) -> bool:
+    # `_ItoCorrectedDrift` holds the diffusion (and so a Brownian motion) but is driven by dt.
+    return not isinstance(term, _ItoCorrectedDrift) and is_sde(term)
+
+
+def _reversed_increment(control):
+    """The increment over $[s_0, s_1]$ of the reversed Brownian motion $B(s) = W(-s)$, from
+    `control`, that of $W$ over $[-s_1, -s_0]$: $W$ and the odd Lévy areas change sign, the
+    space-time area $H$ and the step `dt` do not (see the class docstring)."""
+    neg = lambda x: jtu.tree_map(jnp.negative, x)
+    if isinstance(control, IteratedIntegrals):
+        return eqx.tree_at(lambda c: (c.W, c.A), control, replace_fn=neg)
+    if isinstance(control, diffrax.AbstractSpaceTimeTimeLevyArea):
+        return eqx.tree_at(lambda c: (c.W, c.K), control, replace_fn=neg)
+    if isinstance(control, diffrax.AbstractBrownianIncrement):
+        # A plain increment or a space-time area: exactly these two kinds are known here.
+        if type(control) not in (diffrax.BrownianIncrement, diffrax.SpaceTimeLevyArea):
+            raise NotImplementedError(
+                f"`{_API}` solves the adjoint backwards in time, which needs the Brownian "
+                f"increments reversed in time; it does not know how for "
+                f"`{type(control).__name__}`. Use `diffrax.RecursiveCheckpointAdjoint`."
+            )
+        return eqx.tree_at(lambda c: c.W, control, replace_fn=neg)
+    return neg(control)
+
+
+def _reverse_control(term: diffrax.AbstractTerm, control):
+    """The control of `term` over $[-s_1, -s_0]$ made that of the same term in reversed
+    time over $[s_0, s_1]$."""
+    if isinstance(term, diffrax.MultiTerm):
+        return tuple(_reverse_control(t, c) for t, c in zip(term.terms, control))
+    if _is_brownian(term):
+        return _reversed_increment(control)
+    return jtu.tree_map(jnp.negative, control)
+
+
+class _TimeReversed(diffrax.AbstractTerm):
+    r"""An adjoint term in reversed time $s = -t$, so that the backward pass is a solve
+    forwards in $s$ and every solver sees increasing times and true increments.
+
+    Diffrax would run the backward solve itself with decreasing times, wrapping every term
+    so that its control is negated. That is wrong for two kinds of solver. Stochastic
+    Runge-Kutta methods (`diffrax.SPaRK`, `diffrax.GeneralShARK`, ...) take the drift's
+    control to be the step $h = t_1 - t_0$ rather than `drift.contr(t0, t1)`, so a wrapped
+    drift runs forwards in time: with dy = -y/2 dt, d/dy0 came out as 1.6487 (e^{1/2})
+    instead of 0.6065. And negating a Brownian increment negates its Lévy areas: for the
+    reversed path $B(s) = W(-s)$ the increment is $-\Delta W$, but the space-time area is
+    $+H$ (the time-time area $-K$, the Lévy area $-A$), and the step is $+h$.
+
+    So here: a term driven by time (or by any non-Brownian control) keeps the control of
+    $[-s_1, -s_0]$, which is $+h$ for time, and has its vector field negated; a Brownian
+    term has its increment reversed as above and its vector field unchanged; a
+    `MultiTerm` (one adjoint term over drift and diffusion, for solvers that take a single
+    term) has each part of its control reversed. Each is exactly the reversed-time SDE, and
+    for the solvers that use `contr` the numbers are those of Diffrax's own reversal.
+    """
+
+    term: _AdjointTerm
+
+    def _part(self) -> diffrax.AbstractTerm:
+        return self.term._term(self.term.terms)
+
+    def _negates_vf(self) -> bool:
+        part = self._part()
+        return not isinstance(part, diffrax.MultiTerm) and not _is_brownian(part)
+
+    def contr(self, s0, s1, **kwargs):
+        control = self.term.contr(-s1, -s0, **kwargs)
+        return control if self._negates_vf() else _reverse_control(self._part(), control)
+
+    def vf(self, s, y, args):
+        vf = self.term.vf(-s, y, args)
+        return jtu.tree_map(jnp.negative, vf) if self._negates_vf() else vf
+
+    def vf_prod(self, s, y, args, control):
+        if self._negates_vf():
+            control = jtu.tree_map(jnp.negative, control)
+        return self.term.vf_prod(-s, y, args, control)
+
+    def prod(self, vf, control):
+        return self.term.prod(vf, control)
+
+    def is_vf_expensive(self, s0, s1, y, args) -> bool:
+        return self.term.is_vf_expensive(-s1, -s0, y, args)
+
+
+def _time_reversed(terms):
+    return jtu.tree_map(_TimeReversed, terms, is_leaf=lambda x: isinstance(x, _AdjointTerm))
 
 
 # --- the backward solver for ReversibleHeun
@@ -403,12 +501,19 @@ def _loop_backsolve_bwd(
         adjoint=self,
         solver=backward,
         stepsize_controller=stepsize_controller,
-        terms=adjoint_terms,
         dt0=None if dt0 is None else -dt0,
         max_steps=max_steps,
         throw=throw,
     )
     solve_kwargs.update({k: v for k, v in self.kwargs.items() if k != "solver"})
+    # Solved forwards in s = -t (see `_TimeReversed`): the step-size controller reversed
+    # as `diffrax.diffeqsolve` would for decreasing times, and `dt0` (negative, as for a
+    # solve from t1 to t0) made positive.
+    solve_kwargs.update(
+        terms=_time_reversed(adjoint_terms),
+        stepsize_controller=solve_kwargs["stepsize_controller"].wrap(-1),
+        dt0=None if solve_kwargs["dt0"] is None else -solve_kwargs["dt0"],
+    )
     saveat_t0 = saveat.subs.t0
 
     def scan_fun(state, vals, first=False):
@@ -417,8 +522,8 @@ def _loop_backsolve_bwd(
         with jax.numpy_dtype_promotion("standard"):
             a_y0 = jtu.tree_map(jnp.add, a_y0, _grad_y0)
         sol = diffrax.diffeqsolve(
-            t0=_t0,
-            t1=_t1,
+            t0=-_t0,
+            t1=-_t1,
             y0=(_y0, a_y0, a_args0, a_terms0),
             solver_state=solver_state,
             controller_state=controller_state,
@@ -467,6 +572,47 @@ def _loop_backsolve_bwd(
 # --- the public adjoint
 
 
+# The types of `BacksolveAdjoint`'s keyword arguments, with an example of each.
+_KWARG_TYPES = {
+    "solver": (diffrax.AbstractSolver, "diffrax.Heun()"),
+    "stepsize_controller": (
+        diffrax.AbstractStepSizeController,
+        "diffrax.PIDController(rtol=1e-3, atol=1e-6)",
+    ),
+    "adjoint": (diffrax.AbstractAdjoint, "diffrax.RecursiveCheckpointAdjoint()"),
+}
+
+
+def _check_kwarg(name: str, value) -> None:
+    got = f"got {value!r} ({type(value).__name__})"
+    if name in _KWARG_TYPES:
+        cls, example = _KWARG_TYPES[name]
+        if isinstance(value, cls):
+            return
+        if isinstance(value, type) and issubclass(value, cls):
+            raise TypeError(
+                f"`{_API}({name}=...)` takes an instance, got the class "
+                f"`{value.__name__}`: pass `{name}={value.__module__.split('.')[0]}."
+                f"{value.__name__}(...)`."
+            )
+        raise TypeError(
+            f"`{_API}({name}=...)` must be a `diffrax.{cls.__name__}`, such as "
+            f"`{name}={example}`; {got}."
+        )
+    is_bool = isinstance(value, bool)
+    if name == "throw" and not is_bool:
+        raise TypeError(f"`{_API}(throw=...)` must be `True` or `False`; {got}.")
+    if name == "max_steps" and value is not None and (is_bool or not isinstance(value, int)):
+        raise TypeError(f"`{_API}(max_steps=...)` must be an int or `None`; {got}.")
+    if name == "dt0" and value is not None:
+        real = eqx.is_array_like(value) and jnp.isrealobj(value) and jnp.ndim(value) == 0
+        if is_bool or not real:
+            raise TypeError(
+                f"`{_API}(dt0=...)` must be a real scalar (the initial step of the backward "
+                f"solve, negative as it runs from `t1` to `t0`) or `None`; {got}."
+            )
+
+
 class BacksolveAdjoint(diffrax.AbstractAdjoint):
     r"""Backpropagate through `diffrax.diffeqsolve` by solving the continuous adjoint
     equations backwards in time: a drop-in replacement for `diffrax.BacksolveAdjoint`
@@ -499,6 +645,15 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
       `diffrax.StratonovichMilstein`, [`diffrax_linearize.StratonovichMilstein`][],
       `diffrax.SPaRK`, ...) work: the adjoint of `MultiTerm(f, g)` is
       `MultiTerm(adjoint(f), adjoint(g))` on the shared augmented state.
+    - **The backward pass is solved forwards in reversed time** $s = -t$, with the
+      Brownian increments of the reversed path (increment $-\Delta W$, space-time Lévy
+      area $+H$, space-time-time area $-K$, Lévy area $-A$, step $+h$). Diffrax instead
+      runs the solver with decreasing times and negates every control, which is wrong
+      for the stochastic Runge-Kutta solvers (`diffrax.SPaRK`, `diffrax.GeneralShARK`,
+      `diffrax.SlowRK`): they take the drift's control to be $t_1 - t_0$ and would run
+      the drift forwards, and they read the sign of $H$. With them the backward pass is
+      right here, tested against `diffrax.RecursiveCheckpointAdjoint`; for every other
+      solver the numbers are those of the decreasing-time solve.
     - **Itô SDEs** work. An Itô SDE $dy = f\,dt + g\,dW$ is the Stratonovich SDE with drift
       $f - \tfrac12 \sum_j (\partial g_{:,j}/\partial y) g_{:,j}$ (the sum from
       [`diffrax_linearize.milstein_trace_term`][]); the backward pass solves the adjoint of
@@ -536,6 +691,8 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
                 f"`{_API}` got unexpected keyword arguments {sorted(invalid)}; the valid "
                 f"ones are the backward solve's {sorted(valid)}."
             )
+        for name, value in kwargs.items():
+            _check_kwarg(name, value)
         self.kwargs = kwargs
 
     def loop(
@@ -552,14 +709,21 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
         **kwargs,
     ):
         use_instead = "Use `diffrax.RecursiveCheckpointAdjoint` (the default) instead."
+        save_at_ts = (
+            "Save at `diffrax.SaveAt(ts=...)` with this adjoint, or use "
+            "`diffrax.RecursiveCheckpointAdjoint` (the default)."
+        )
+        if saveat.dense:
+            raise NotImplementedError(
+                f"`{_API}` does not support `diffrax.SaveAt(dense=True)`. {save_at_ts}"
+            )
         if jtu.tree_structure(saveat.subs, is_leaf=_is_subsaveat) != jtu.tree_structure(0):
             raise NotImplementedError(
                 f"`{_API}` does not support `diffrax.SaveAt(subs=...)`. {use_instead}"
             )
-        if saveat.dense or saveat.subs.steps:
+        if saveat.subs.steps:
             raise NotImplementedError(
-                f"`{_API}` does not support `diffrax.SaveAt(steps=True)` or "
-                f"`diffrax.SaveAt(dense=True)`: save at `ts=...` instead. {use_instead}"
+                f"`{_API}` does not support `diffrax.SaveAt(steps=True)`. {save_at_ts}"
             )
         if saveat.subs.fn is not save_y:
             raise NotImplementedError(

@@ -1,6 +1,7 @@
 """Monte Carlo ensembles of SDE solves, with the path axis sharded over a device mesh."""
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -335,9 +336,14 @@ def solve_ensemble(
                     "its own times, so reductions over paths are meaningless. Pass "
                     "`reductions=()` and `quantiles=None`, or save at fixed `ts`."
                 )
-    if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, numbers.Integral)
+        or chunk_size < 1
+    ):
         raise ValueError(
-            f"`solve_ensemble`: `chunk_size` must be a positive integer; got {chunk_size}."
+            "`solve_ensemble`: `chunk_size` must be a positive integer (how many paths "
+            f"each device solves at once) or `None` for all of them; got {chunk_size!r}."
         )
     if mesh is None:
         mesh = Mesh(np.asarray(jax.devices()), ("paths",))

@@ -29,8 +29,12 @@ def _is_array_leaf(x) -> bool:
 
 
 def _check_argnums(argnums, nargs: int, api: str) -> tuple[int, ...]:
-    single = isinstance(argnums, int)
-    nums = (argnums,) if single else tuple(argnums)
+    if isinstance(argnums, int):
+        nums = (argnums,)
+    elif isinstance(argnums, tuple | list):
+        nums = tuple(argnums)
+    else:  # not iterable (`1.0`), or iterable but not a sequence of positions (`"0"`)
+        nums = ()
     if not nums or not all(isinstance(i, int) for i in nums):
         raise TypeError(
             f"`{api}`: `argnums` must be an int or a non-empty tuple of ints, got {argnums!r}."

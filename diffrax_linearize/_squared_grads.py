@@ -474,8 +474,15 @@ def _chunked(fn, xs, n: int, chunk: int):
 #
 
 
+def _loss_name(loss_fn) -> str:
+    """`loss_fn` as the error messages name it: the argument, and the function's own name
+    where it has another."""
+    name = getattr(loss_fn, "__name__", None)
+    return "`loss_fn`" if name in (None, "loss_fn") else f"`loss_fn` (`{name}`)"
+
+
 def _check_batch(fn_name: str, loss_fn, batch) -> tuple[list, Any, int]:
-    name = getattr(loss_fn, "__name__", repr(loss_fn))
+    name = _loss_name(loss_fn)
     if len(batch) == 0:
         raise ValueError(
             f"`diffrax_linearize.{fn_name}` needs at least one batch argument: call "
@@ -490,7 +497,7 @@ def _check_batch(fn_name: str, loss_fn, batch) -> tuple[list, Any, int]:
         if len(shape) == 0:
             raise ValueError(
                 f"`diffrax_linearize.{fn_name}`: the batch leaf at "
-                f"`batch{jtu.keystr(path)}` for `loss_fn` `{name}` is a scalar; every "
+                f"`batch{jtu.keystr(path)}` for {name} is a scalar; every "
                 "leaf of `batch` needs a leading batch axis. Close over per-batch "
                 "constants in `loss_fn` instead of passing them as batch arguments."
             )
@@ -498,7 +505,7 @@ def _check_batch(fn_name: str, loss_fn, batch) -> tuple[list, Any, int]:
     if len(sizes) != 1:
         detail = "; ".join(f"size {s}: {', '.join(p)}" for s, p in sizes.items())
         raise ValueError(
-            f"`diffrax_linearize.{fn_name}`: the batch arguments of `loss_fn` `{name}` "
+            f"`diffrax_linearize.{fn_name}`: the batch arguments of {name} "
             f"have mismatched leading (batch) axes ({detail}). Every leaf of `batch` "
             "must have the same leading axis, one entry per example."
         )
@@ -506,6 +513,37 @@ def _check_batch(fn_name: str, loss_fn, batch) -> tuple[list, Any, int]:
     if n == 0:
         raise ValueError(f"`diffrax_linearize.{fn_name}`: the batch is empty.")
     return leaves, treedef, n
+
+
+def _check_loss_output(fn_name: str, loss_fn, out_shape) -> None:
+    array = isinstance(out_shape, jax.ShapeDtypeStruct)
+    if array and out_shape.shape == () and jnp.issubdtype(out_shape.dtype, jnp.floating):
+        return
+    if not array:
+        got, fix = (
+            f"a pytree ({jtu.tree_structure(out_shape)})",
+            "Return the loss alone, a scalar (auxiliary outputs are not supported)",
+        )
+    elif out_shape.shape != ():
+        got, fix = (
+            f"an array of shape {out_shape.shape}",
+            "Reduce its output to a scalar (e.g. `jnp.sum`) inside `loss_fn`; the batch "
+            "axis is added by `diffrax_linearize`",
+        )
+    elif jnp.issubdtype(out_shape.dtype, jnp.complexfloating):
+        got, fix = (
+            f"a {out_shape.dtype} scalar",
+            "Return a real loss, e.g. `jnp.abs(z) ** 2` or `jnp.real(z)` of a complex `z`",
+        )
+    else:
+        got, fix = (
+            f"a {out_shape.dtype} scalar",
+            "Compute the loss in floating point: integer and boolean values have no gradient",
+        )
+    raise ValueError(
+        f"`diffrax_linearize.{fn_name}`: {_loss_name(loss_fn)} must return a real "
+        f"floating scalar for one example, but returned {got}. {fix}."
+    )
 
 
 def _compute(
@@ -538,18 +576,7 @@ def _compute(
     closed, out_shape = jax.make_jaxpr(per_example_loss, return_shape=True)(
         diff_structs, example_structs
     )
-    if (
-        not isinstance(out_shape, jax.ShapeDtypeStruct)
-        or out_shape.shape != ()
-        or not jnp.issubdtype(out_shape.dtype, jnp.floating)
-    ):
-        name = getattr(loss_fn, "__name__", repr(loss_fn))
-        raise ValueError(
-            f"`diffrax_linearize.{fn_name}`: `loss_fn` `{name}` must return a real "
-            f"floating scalar for one example, but returned {out_shape}. Reduce its "
-            "output to a scalar (e.g. `jnp.sum`) inside `loss_fn`; the batch axis is "
-            "added by `diffrax_linearize`."
-        )
+    _check_loss_output(fn_name, loss_fn, out_shape)
 
     uses: list[_Use] = []
     fallback: set[int] = set()

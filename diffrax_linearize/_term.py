@@ -156,6 +156,21 @@ def _matrix_blocks(term, t, y, args, api):
     return blocks, control
 
 
+def _is_complex(term, t, y, args) -> bool:
+    structs = jax.eval_shape(lambda y: (y, control_zeros(term, t), term.vf(t, y, args)), y)
+    return any(jnp.issubdtype(x.dtype, jnp.complexfloating) for x in jtu.tree_leaves(structs))
+
+
+def _check_real(term, t, y, args, api: str):
+    if _is_complex(term, t, y, args):
+        raise TypeError(
+            f"`{api}` classifies real noise only (the structure engine works over the real "
+            "numbers), but the state, the control or the vector field is complex. "
+            "`diffrax_linearize.milstein_trace_term` and the Milstein solvers accept "
+            "complex terms."
+        )
+
+
 def _dense_matrix_flat(term, t, args):
     """`y -> [M[q][p] for q for p]`: the term's matrix, flattened into blocks."""
 
@@ -183,6 +198,12 @@ def noise_structure(term: diffrax.AbstractTerm, t, y, args) -> NoiseStructure:
     """
     api = "diffrax_linearize.noise_structure"
     _check_term(term, api)
+    return _noise_structure(term, t, y, args, api)
+
+
+def _noise_structure(term, t, y, args, api: str) -> NoiseStructure:
+    _vf(term, t, y, args, api)
+    _check_real(term, t, y, args, api)
     blocks, control = _matrix_blocks(term, t, y, args, api)
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     if all(b is None for row in dblocks for b in row):
@@ -225,6 +246,31 @@ def _quadratic(term, t, y, args, control):
     return jax.jvp(g_c, (y,), (direction,))[1]
 
 
+def _trace_by_channels(term, t, y, args) -> PyTree[Array]:
+    """The Itô correction of `milstein_trace_term` by one JVP per noise channel: for
+    complex terms, which the structure engine does not take."""
+    control = control_zeros(term, t)
+    flat, unravel = ravel_pytree(control)
+    basis = jax.vmap(unravel)(jnp.eye(flat.size, dtype=flat.dtype))
+    vf = term.vf(t, y, args)
+
+    def along(e, direction):
+        # The derivative of y -> g(y) e in the direction g(y) `direction`.
+        column = lambda _y: term.prod(term.vf(t, _y, args), e)
+        return jax.jvp(column, (y,), (term.prod(vf, direction),))[1]
+
+    def channel(e):
+        if not jnp.iscomplexobj(flat):
+            return along(e, e)
+        # Re W_j and Im W_j, each of variance h/2: columns g e_j and i g e_j, so
+        # (1/2) (D(g e_j)[g e_j] + D(i g e_j)[i g e_j]), and D(i g e_j) = i D(g e_j).
+        i_e = jtu.tree_map(lambda x: 1j * x, e)
+        with jax.numpy_dtype_promotion("standard"):
+            return jtu.tree_map(lambda a, b: 0.5 * (a + 1j * b), along(e, e), along(e, i_e))
+
+    return jtu.tree_map(lambda x: jnp.sum(x, axis=0), jax.vmap(channel)(basis))
+
+
 def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]:
     """$\\sum_j L^j g^j = \\sum_j (\\partial g_{:, j} / \\partial y)\\, g_{:, j}$: the
     derivative of each column of the diffusion matrix in the direction of that column,
@@ -240,13 +286,24 @@ def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]
     never `m` JVPs through `prod` and never a dense `d x m x d` tensor unless the
     derivative is dense.
 
+    Complex states, controls or vector fields are supported, by one JVP per noise channel
+    (the structure engine works over the reals). A complex control is taken to be a
+    complex Brownian motion as Diffrax samples it, real and imaginary parts independent
+    with variance $h/2$ each: its real noise channels are $\\mathrm{Re}\\,W_j$ and
+    $\\mathrm{Im}\\,W_j$, so the Itô correction is
+    $\\tfrac12 \\sum_j (L^j g_{:, j} + i\\, \\partial g_{:, j}[i\\, g_{:, j}])$, zero for a
+    diffusion holomorphic in $y$ (for which Itô and Stratonovich calculus agree).
+
     **Arguments:** `term`, `t`, `y`, `args` as for [`diffrax_linearize.materialise`][].
 
     **Returns:** a pytree like `y`.
     """
     api = "diffrax_linearize.milstein_trace_term"
     _check_term(term, api)
-    kind = noise_structure(term, t, y, args)
+    _vf(term, t, y, args, api)
+    if _is_complex(term, t, y, args):
+        return _trace_by_channels(term, t, y, args)
+    kind = _noise_structure(term, t, y, args, api)
     if kind == "additive":
         return jtu.tree_map(jnp.zeros_like, y)
     control = control_zeros(term, t)

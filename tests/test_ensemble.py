@@ -217,8 +217,9 @@ def test_errors():
         solve(_terms, Y0, keys=keys, quantiles=(1.5,))
     with pytest.raises(ValueError, match="solve_ensemble.*steps=True"):
         solve(_terms, Y0, keys=keys, saveat=diffrax.SaveAt(steps=True))
-    with pytest.raises(ValueError, match="solve_ensemble.*`chunk_size`"):
-        solve(_terms, Y0, keys=keys, chunk_size=0)
+    for chunk_size in (0, -1, 2.5, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="solve_ensemble.*`chunk_size` must be a positive"):
+            solve(_terms, Y0, keys=keys, chunk_size=chunk_size)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
     with pytest.raises(ValueError, match="solve_ensemble.*'y'.*not an axis"):
         solve(_terms, Y0, keys=keys, mesh=mesh, axis_names="y")

@@ -963,6 +963,8 @@ _x = np.ones(3)
         pytest.param(jnp.sin, (_x,), {"argnums": (0, -2)}, id="argnums-negative"),
         pytest.param(jnp.sin, (_x,), {"argnums": ()}, id="argnums-empty"),
         pytest.param(jnp.sin, (_x,), {"argnums": "0"}, id="argnums-string"),
+        pytest.param(jnp.sin, (_x,), {"argnums": 1.0}, id="argnums-float"),
+        pytest.param(jnp.sin, (_x,), {"argnums": None}, id="argnums-none"),
         pytest.param(jnp.sin, (), {}, id="no-arguments"),
         pytest.param(np.ones(3), (_x,), {}, id="not-callable"),
         pytest.param(jnp.sin, (_x,), {"mode": "sideways"}, id="bad-mode"),
@@ -972,6 +974,12 @@ _x = np.ones(3)
 def test_bad_input(api, fn, args, kwargs):
     with pytest.raises((TypeError, ValueError), match=api):
         getattr(dl, api)(fn, *args, **kwargs)
+
+
+def test_argnums_not_iterable():
+    # `argnums=1.0` once failed with "'float' object is not iterable".
+    with pytest.raises(TypeError, match=r"`argnums` must be an int or a non-empty tuple"):
+        dl.materialise(lambda x, y: x * y, _x, _x, argnums=1.0)
 
 
 def test_bad_input_is_not_an_internal_error():

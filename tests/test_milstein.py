@@ -363,6 +363,57 @@ def test_halfsolver_pidcontroller():
     assert err_tight < 1e-2
 
 
+def _adaptive(solver, vf, key, rtol=1e-4):
+    shape = (2,) if vf is _vf_noncommuting_2 else (D,)
+    sol = dfx.diffeqsolve(
+        _terms(vf, _vbt(shape, key)),
+        dfx.HalfSolver(solver),
+        T0,
+        T1,
+        None,
+        _Y0,
+        stepsize_controller=dfx.PIDController(rtol=rtol, atol=rtol),
+        saveat=dfx.SaveAt(steps=True),
+        max_steps=4096,
+    )
+    n = int(sol.stats["num_accepted_steps"])
+    return np.asarray(sol.ts[:n]), np.asarray(sol.ys[:n])
+
+
+def _vf_noncommuting_2(t, y, args):
+    return jnp.sin(y)[:, None] * jnp.array([[0.3, -0.2], [0.1, 0.4], [-0.5, 0.2]])
+
+
+@pytest.mark.parametrize("vf", [_vf_diagonal_dense, _vf_noncommuting_2], ids=["diagonal", "yG"])
+def test_adaptive_stratonovich_path_identical_to_diffrax(vf):
+    # The Stratonovich step is the same single JVP as Diffrax's, so even the rounding is
+    # the same: every accepted time and state of an adaptive solve equal bit for bit.
+    ts, ys = _adaptive(dl.StratonovichMilstein(), vf, jr.key(0))
+    ts_ref, ys_ref = _adaptive(dfx.StratonovichMilstein(), vf, jr.key(0))
+    assert len(ts) > 20
+    np.testing.assert_array_equal(ts, ts_ref)
+    np.testing.assert_array_equal(ys, ys_ref)
+
+
+def test_adaptive_ito_agrees_with_diffrax_to_tolerance():
+    # The Itô step differs from Diffrax's by rounding only (the correction is a JVP minus
+    # dt times the trace term, where Diffrax contracts a d x m x m tensor), and the step-size
+    # controller can turn an ulp in an error estimate into a different step sequence, so
+    # adaptive paths need not be identical (docs: "Parity with Diffrax"). They are equally
+    # good solutions: the same to well within the tolerance, and the same distance from a
+    # fine fixed-step solution on the same Brownian path.
+    rtol = 1e-3
+    for seed in range(3):
+        key = jr.key(seed)
+        terms = _terms(_vf_noncommuting_2, _vbt((2,), key))
+        fine = dfx.diffeqsolve(terms, dfx.ItoMilstein(), T0, T1, 2**-12, _Y0).ys[-1]
+        ours = _adaptive(dl.ItoMilstein(), _vf_noncommuting_2, key, rtol)[1][-1]
+        theirs = _adaptive(dfx.ItoMilstein(), _vf_noncommuting_2, key, rtol)[1][-1]
+        assert np.max(np.abs(ours - theirs)) < rtol
+        err_ours, err_theirs = np.max(np.abs(ours - fine)), np.max(np.abs(theirs - fine))
+        assert abs(err_ours - err_theirs) < 0.1 * err_theirs + rtol
+
+
 #
 # Strong order of convergence
 #
@@ -524,3 +575,154 @@ def test_solver_metadata():
             ours.order(terms)
     assert isinstance(dl.ItoMilstein(), dfx.AbstractItoSolver)
     assert isinstance(dl.StratonovichMilstein(), dfx.AbstractStratonovichSolver)
+
+
+def test_constructor_arguments_checked():
+    for cls in (dl.ItoMilstein, dl.StratonovichMilstein):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}\(check_commutativity=\.\.\.\)"):
+            cls(check_commutativity="yes")  # pyright: ignore
+        with pytest.raises(TypeError, match="must be `True` or `False`, got 1"):
+            cls(check_commutativity=1)  # pyright: ignore
+        assert cls(check_commutativity=True).check_commutativity is True
+
+
+def test_commutativity_message_is_plain_text_and_suggests_general_solvers():
+    vf, shape = DIFFUSIONS["general_linear"]
+    for cls in (dl.ItoMilstein, dl.StratonovichMilstein):
+        with pytest.raises(eqx.EquinoxRuntimeError) as info:
+            _steps([cls(check_commutativity=True)], vf, shape)
+        message = str(info.value)
+        assert f"diffrax_linearize.General{cls.__name__}" in message
+        assert "diffrax_linearize.LevyAreaBrownianPath" in message
+        # No LaTeX: no maths delimiters, commands or braces.
+        assert not any(c in message for c in "$\\{}"), message
+
+
+#
+# Complex states and Brownian motions
+#
+
+_C = jnp.asarray((_RNG.normal(size=(D, 2)) + 1j * _RNG.normal(size=(D, 2))) * 0.4)
+
+
+def _drift_complex(t, y, args):
+    return -0.5 * y + 0.1j * y**2
+
+
+def _vf_holomorphic(t, y, args):
+    return (y + 0.3 * y**2)[:, None] * _C
+
+
+def _vf_not_holomorphic(t, y, args):
+    return (0.3 * y + 0.2 * jnp.conj(y) + 0.1 * jnp.abs(y))[:, None] * _C
+
+
+class _RealView(dfx.AbstractPath):
+    """A complex Brownian motion (real and imaginary parts independent, variance h/2
+    each, as Diffrax samples it) as the real Brownian motion of twice the dimension and
+    variance h: `sqrt(2) (Re W, Im W)`."""
+
+    bm: dfx.AbstractBrownianPath
+    t0 = T0
+    t1 = T1
+
+    def evaluate(self, t0, t1=None, left=True):
+        w = self.bm.evaluate(t0, t1, left)
+        return jnp.sqrt(2.0) * jnp.concatenate([w.real, w.imag])
+
+
+def _real_system(vf, complex_noise):
+    """The SDE on (Re y, Im y) equivalent to the complex one. `diffrax.ControlTerm` maps
+    the control through `conj(vf) @ dw`, so the diffusion matrix is `conj(vf)`."""
+
+    def split(y):
+        return jnp.concatenate([y.real, y.imag])
+
+    def drift(t, u, args):
+        return split(_drift_complex(t, u[:D] + 1j * u[D:], args))
+
+    def diffusion(t, u, args):
+        g = jnp.conj(vf(t, u[:D] + 1j * u[D:], args))
+        if complex_noise:  # g (a + i b) / sqrt(2) for the real channels (a, b)
+            return jnp.block([[g.real, -g.imag], [g.imag, g.real]]) / jnp.sqrt(2.0)
+        return jnp.concatenate([g.real, g.imag])
+
+    return drift, diffusion
+
+
+_Y0_COMPLEX = jnp.array([0.5 + 0.2j, -0.3 + 0.1j, 0.8 - 0.4j])
+_VFS_COMPLEX = [_vf_holomorphic, _vf_not_holomorphic]
+_SOLVERS_COMPLEX = [
+    (dl.ItoMilstein(), dfx.ItoMilstein()),
+    (dl.StratonovichMilstein(), dfx.StratonovichMilstein()),
+]
+
+
+@pytest.mark.parametrize("complex_noise", [True, False], ids=["complex_bm", "real_bm"])
+def test_complex_step_against_real_system(complex_noise):
+    # Reference: Diffrax's own solver on the equivalent real SDE with the same increments.
+    # (Diffrax's `ItoMilstein` run on the complex SDE itself is off by about 1e-2 per step
+    # here, even with a real Brownian motion; its Stratonovich solver agrees with ours.)
+    dtype = jnp.complex128 if complex_noise else jnp.float64
+
+    @jax.jit
+    @jax.vmap
+    def steps(t0, dt, y0, dw):
+        out = []
+        for vf in _VFS_COMPLEX:
+            drift, diffusion = _real_system(vf, complex_noise)
+            dw_real = jnp.sqrt(2.0) * jnp.concatenate([dw.real, dw.imag]) if complex_noise else dw
+            terms = dfx.MultiTerm(
+                dfx.ODETerm(_drift_complex), dfx.ControlTerm(vf, _FixedIncrements(dw))
+            )
+            real_terms = dfx.MultiTerm(
+                dfx.ODETerm(drift), dfx.ControlTerm(diffusion, _FixedIncrements(dw_real))
+            )
+            u0 = jnp.concatenate([y0.real, y0.imag])
+            for ours, theirs in _SOLVERS_COMPLEX:
+                y1 = ours.step(terms, t0, t0 + dt, y0, None, None, False)[0]
+                u1 = theirs.step(real_terms, t0, t0 + dt, u0, None, None, False)[0]
+                out.append((y1, u1[:D] + 1j * u1[D:]))
+        return out
+
+    k1, k2, k3, k4 = jr.split(jr.key(8), 4)
+    num = 8
+    t0 = jr.uniform(k1, (num,), maxval=0.5)
+    dt = jr.uniform(k2, (num,), minval=0.01, maxval=0.3)
+    y0 = _Y0_COMPLEX + 0.3 * jr.normal(k3, (num, D), jnp.complex128)
+    dw = jr.normal(k4, (num, 2), dtype) * jnp.sqrt(dt)[:, None]
+    for y1, expected in steps(t0, dt, y0, dw):
+        assert y1.dtype == jnp.complex128
+        np.testing.assert_allclose(y1, expected, rtol=1e-12, atol=1e-13)
+        assert np.min(np.abs(y1 - y0)) > 1e-3  # the step moved the state
+
+
+@pytest.mark.filterwarnings("ignore:Complex dtype support in Diffrax")
+def test_complex_diffeqsolve_against_real_system():
+    # The same through `diffeqsolve` with a complex `VirtualBrownianTree`, whose real and
+    # imaginary parts are independent with variance h/2 each (non-holomorphic diffusion,
+    # so that the Itô correction of complex noise does not vanish).
+    bm = dfx.VirtualBrownianTree(
+        T0, T1, 2**-10, jax.ShapeDtypeStruct((2,), jnp.complex128), jr.key(4)
+    )
+    saveat = dfx.SaveAt(ts=jnp.linspace(T0, T1, 5))
+
+    @jax.jit
+    def solve():
+        terms = dfx.MultiTerm(dfx.ODETerm(_drift_complex), dfx.ControlTerm(_vf_not_holomorphic, bm))
+        y = dfx.diffeqsolve(terms, dl.ItoMilstein(), T0, T1, 0.05, _Y0_COMPLEX, saveat=saveat).ys
+        drift, diffusion = _real_system(_vf_not_holomorphic, True)
+        real_terms = dfx.MultiTerm(dfx.ODETerm(drift), dfx.ControlTerm(diffusion, _RealView(bm)))
+        u0 = jnp.concatenate([_Y0_COMPLEX.real, _Y0_COMPLEX.imag])
+        u = dfx.diffeqsolve(real_terms, dfx.ItoMilstein(), T0, T1, 0.05, u0, saveat=saveat).ys
+        return y, u[:, :D] + 1j * u[:, D:]
+
+    y, expected = solve()
+    np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-13)
+    assert np.max(np.abs(y[-1] - _Y0_COMPLEX)) > 0.1
+
+
+def test_noise_structure_rejects_complex():
+    terms = dfx.ControlTerm(_vf_holomorphic, _FixedIncrements(jnp.ones(2, jnp.complex128)))
+    with pytest.raises(TypeError, match="noise_structure.*complex.*milstein_trace_term"):
+        dl.noise_structure(terms, 0.0, _Y0_COMPLEX, None)

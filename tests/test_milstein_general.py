@@ -195,3 +195,32 @@ def test_errors(getkey):
         diffrax.diffeqsolve(terms, dl.GeneralItoMilstein(), 0.0, 1.0, 0.1, jnp.ones(2))
     with pytest.raises(ValueError, match="should not be used to solve ODEs"):
         dl.GeneralStratonovichMilstein().order(terms)
+
+
+def test_method_checked_at_construction():
+    for cls in (dl.GeneralItoMilstein, dl.GeneralStratonovichMilstein):
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\(method=\.\.\.\)` must be one"):
+            cls(method="dense")  # pyright: ignore
+        for method in ("auto", "contract", "jvp"):
+            assert cls(method=method).method == method
+
+
+@pytest.mark.parametrize(
+    "controller",
+    [diffrax.PIDController(rtol=1e-3, atol=1e-3), diffrax.ConstantStepSize()],
+    ids=["pid", "constant"],
+)
+@pytest.mark.parametrize("cls", [dl.GeneralItoMilstein, dl.GeneralStratonovichMilstein])
+def test_half_solver_rejected(getkey, cls, controller):
+    # Documented as fixed-step only: `HalfSolver` used to run silently with a PID controller.
+    bm = dl.LevyAreaBrownianPath(
+        diffrax.VirtualBrownianTree(0.0, 1.0, tol=2**-8, shape=(2,), key=getkey()), dt=0.1
+    )
+    terms = _terms(lambda t, y, _: -y, lambda t, y, _: jnp.stack([y, y[::-1] ** 2], 1), bm)
+    solve = lambda solver: diffrax.diffeqsolve(
+        terms, solver, 0.0, 1.0, 0.1, jnp.ones(2), stepsize_controller=controller
+    )
+    with pytest.raises(ValueError, match=rf"HalfSolver\(diffrax_linearize\.{cls.__name__}\(\)\)"):
+        solve(diffrax.HalfSolver(cls()))
+    if isinstance(controller, diffrax.ConstantStepSize):
+        solve(cls())  # unwrapped, fixed steps: fine

@@ -479,3 +479,36 @@ def test_mismatched_batch(fn):
         fn(my_loss, params, x, jnp.zeros(()))
     with pytest.raises(ValueError, match=rf"{fn.__name__}.*at least one batch"):
         fn(my_loss, params)
+
+
+def test_error_wording():
+    params, x = _simple()
+
+    def loss_fn(p, x, y):
+        return jnp.sum((x @ p["w"] - y) ** 2)
+
+    # A function named `loss_fn` is not named twice.
+    with pytest.raises(ValueError, match="batch arguments of `loss_fn` have") as info:
+        dl.sum_squared_grads(loss_fn, params, x, jnp.zeros((B + 1, 2)))
+    assert "`loss_fn` `loss_fn`" not in str(info.value)
+    with pytest.raises(ValueError, match=r"for `loss_fn` is a scalar"):
+        dl.sum_squared_grads(loss_fn, params, x, jnp.zeros(()))
+
+    # Scalar losses of the wrong dtype are not told to reduce their output.
+    def int_loss(p, x):
+        return jnp.sum(x @ p["w"]).astype(jnp.int32)
+
+    def complex_loss(p, x):
+        return jnp.sum(x @ p["w"]) * (1 + 1j)
+
+    def pair_loss(p, x):
+        return jnp.sum(x @ p["w"]), x
+
+    for loss, wanted in [
+        (int_loss, r"`int_loss`\) must return .* int32 scalar\. Compute the loss in floating"),
+        (complex_loss, r"complex128 scalar\. Return a real loss"),
+        (pair_loss, r"returned a pytree .* Return the loss alone"),
+    ]:
+        with pytest.raises(ValueError, match=wanted) as info:
+            dl.sum_squared_grads(loss, params, x)
+        assert "Reduce its output" not in str(info.value)

@@ -207,6 +207,13 @@ def test_bad_inputs_name_materialise():
         dl.materialise(term, 0.0, {"a": Y}, None)
 
 
+def test_milstein_trace_term_errors_name_itself():
+    term = TERMS["row_scaled"]
+    with pytest.raises(ValueError, match="milstein_trace_term") as info:
+        dl.milstein_trace_term(term, 0.0, jnp.ones((D + 1, 2)), None)
+    assert "noise_structure" not in str(info.value)
+
+
 # ---- derivative of the vector field ----------------------------------------------------
 
 

@@ -35,6 +35,7 @@ _Terms: TypeAlias = MultiTerm[
     tuple[AbstractTerm[Any, _RealScalarLike], AbstractTerm[Any, AbstractBrownianIncrement]]
 ]
 ContractionMethod = Literal["auto", "contract", "jvp"]
+_METHODS = ("auto", "contract", "jvp")
 
 # `method="auto"` contracts the materialised derivative (d x m x d numbers) up to this size,
 # and falls back to m JVPs above it, so that memory stays bounded.
@@ -116,13 +117,8 @@ def _general_milstein_step(
         (y_leaf,) = leaves
         correction = _double_sum_contract(diffusion, t0, y_leaf, args, integrals)
         correction = jtu.tree_unflatten(jtu.tree_structure(y0), [correction])
-    elif how == "jvp":
-        correction = _double_sum_jvp(diffusion, t0, y0, args, integrals)
     else:
-        raise ValueError(
-            f"`diffrax_linearize.{name}`: `method` must be 'auto', 'contract' or 'jvp', "
-            f"got {method!r}."
-        )
+        correction = _double_sum_jvp(diffusion, t0, y0, args, integrals)
     with jax.numpy_dtype_promotion("standard"):
         return jtu.tree_map(
             lambda y, f, g, c: y + f + g + c.astype(jnp.result_type(y)),
@@ -130,6 +126,14 @@ def _general_milstein_step(
             f0_prod,
             g0_prod,
             correction,
+        )
+
+
+def _check_method(solver):
+    if solver.method not in _METHODS:
+        raise ValueError(
+            f"`diffrax_linearize.{type(solver).__name__}(method=...)` must be one of "
+            f"{', '.join(map(repr, _METHODS))}, got {solver.method!r}."
         )
 
 
@@ -157,7 +161,8 @@ class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
     The strong order is one for any noise, provided the Lévy areas are accurate to
     $O(h^{3/2})$ in $L^2$ (what `LevyAreaBrownianPath(bm, dt=dt)` chooses). Fixed steps
     only: for adaptive steps the areas of a step that is halved are not Chen-consistent
-    with those of the halves.
+    with those of the halves, so wrapping the solver in `diffrax.HalfSolver` raises an
+    error.
 
     For example, with the non-commutative noise $g(y)_{:, j} = A_j y$:
 
@@ -183,6 +188,10 @@ class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
 
     term_structure: ClassVar = _Terms
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
+    fixed_steps_only: ClassVar[bool] = True
+
+    def __check_init__(self):
+        _check_method(self)
 
     def __init__(self, method: ContractionMethod = "auto"):
         r"""**Arguments:**
@@ -241,7 +250,8 @@ class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
     The strong order is one for any noise, provided the Lévy areas are accurate to
     $O(h^{3/2})$ in $L^2$ (what `LevyAreaBrownianPath(bm, dt=dt)` chooses). Fixed steps
     only: for adaptive steps the areas of a step that is halved are not Chen-consistent
-    with those of the halves.
+    with those of the halves, so wrapping the solver in `diffrax.HalfSolver` raises an
+    error.
 
     Used exactly as in the example of [`diffrax_linearize.GeneralItoMilstein`][], with
     `solver = diffrax_linearize.GeneralStratonovichMilstein()`.
@@ -251,6 +261,10 @@ class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
 
     term_structure: ClassVar = _Terms
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
+    fixed_steps_only: ClassVar[bool] = True
+
+    def __check_init__(self):
+        _check_method(self)
 
     def __init__(self, method: ContractionMethod = "auto"):
         r"""**Arguments:**
