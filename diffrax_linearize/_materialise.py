@@ -198,15 +198,19 @@ def _custom_vjp_as_jvp(eqn):
 
 
 def _eval_forward_differentiable(jaxpr, consts, args):
-    """Evaluate `jaxpr`, replacing every `custom_vjp_call` (also inside `jit`) by a
-    forward-differentiable equivalent."""
+    """Evaluate `jaxpr`, replacing every `custom_vjp_call` (inside calls and control flow
+    too) by a forward-differentiable equivalent."""
 
     def apply_eqn(eqn, vals):
         if eqn.primitive is prim("custom_vjp_call"):
             return _custom_vjp_as_jvp(eqn)(*vals)
-        closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        if eqn.primitive in (prim("jit"), prim("closed_call")) and _has_custom_vjp(closed):
-            return _eval_forward_differentiable(closed.jaxpr, closed.consts, vals)
+        if _has_custom_vjp(eqn):
+            closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if eqn.primitive in (prim("jit"), prim("closed_call"), prim("remat")):
+                # Inlined: a checkpoint only changes what reverse mode stores.
+                jaxpr_ = getattr(closed, "jaxpr", closed)
+                return _eval_forward_differentiable(jaxpr_, getattr(closed, "consts", ()), vals)
+            return bind_eqn(eqn.replace(params=_forward_differentiable_params(eqn)), vals)
         # Index computations on known values stay known, so that the linear program's
         # gathers and scatters have indices the structure rules can read.
         outs = evaluate_known(eqn, vals)
@@ -215,16 +219,49 @@ def _eval_forward_differentiable(jaxpr, consts, args):
     return eval_jaxpr(jaxpr, consts, args, apply_eqn)
 
 
-def _has_custom_vjp(closed) -> bool:
-    if closed is None:
-        return False
-    jaxpr = getattr(closed, "jaxpr", closed)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is prim("custom_vjp_call"):
-            return True
-        for value in eqn.params.values():
-            items = value if isinstance(value, tuple | list) else (value,)
-            if any(hasattr(item, "jaxpr") and _has_custom_vjp(item) for item in items):
+def _forward_differentiable_closed(closed):
+    """A closed jaxpr computing the same as `closed`, with its `custom_vjp_call`s replaced
+    (retraced; same inputs and outputs)."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(
+        lambda *args: _eval_forward_differentiable(closed.jaxpr, closed.consts, list(args))
+    )(*avals)
+
+
+def _forward_differentiable_params(eqn) -> dict:
+    """`eqn`'s parameters with every closed sub-jaxpr (`scan`'s body, `cond`'s branches,
+    `while`'s body and condition) made forward differentiable."""
+    params = {}
+    for name, value in eqn.params.items():
+        if isinstance(value, tuple | list) and any(_is_closed(v) for v in value):
+            params[name] = type(value)(
+                _forward_differentiable_closed(v) if _is_closed(v) else v for v in value
+            )
+        elif _is_closed(value):
+            params[name] = _forward_differentiable_closed(value)
+        else:
+            params[name] = value
+    return params
+
+
+def _is_closed(value) -> bool:
+    return hasattr(value, "jaxpr") and hasattr(value, "consts")
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if hasattr(item, "eqns"):
+                yield item
+            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+                yield item.jaxpr
+
+
+def _has_custom_vjp(eqn) -> bool:
+    """Whether a sub-jaxpr of `eqn` (at any depth) holds a `custom_vjp_call`."""
+    for jaxpr in _sub_jaxprs(eqn):
+        for inner in jaxpr.eqns:
+            if inner.primitive is prim("custom_vjp_call") or _has_custom_vjp(inner):
                 return True
     return False
 

@@ -499,6 +499,31 @@ def _(dt):
     return jax.jit(lambda x: _cube(x) + x), (_input((2, 2), dt),)
 
 
+# custom_vjp inside control flow and checkpoints: forward mode used to fail there
+# (`can't apply forward-mode autodiff (jvp) to a custom_vjp function`).
+@case("custom_vjp_in_scan", reference="jacrev")
+def _(dt):
+    xs = _const((3, 4), 29, dt)
+    return lambda x: lax.scan(lambda c, a: (_cube(c) * 0.5 + a, c), x, xs)[0], (
+        _input((4,), dt),
+    )
+
+
+@case("custom_vjp_in_cond", reference="jacrev")
+def _(dt):
+    return lambda x: lax.cond(jnp.sum(x) > 0, _cube, jnp.sin, x), (_input((4,), dt),)
+
+
+@case("custom_vjp_in_switch", reference="jacrev")
+def _(dt):
+    return lambda x: lax.switch(jnp.int32(x[0] > 0), [jnp.cos, _cube], x), (_input((4,), dt),)
+
+
+@case("custom_vjp_in_checkpoint", reference="jacrev")
+def _(dt):
+    return lambda x: jax.checkpoint(lambda y: _cube(y) * y)(x), (_input((4,), dt),)
+
+
 @case("cond_traced_predicate")
 def _(dt):
     A = _const((4, 4), 29, dt)
@@ -929,6 +954,21 @@ def test_strict():
     with pytest.raises(ValueError, match="double_without_rule"):
         dl.materialise_operator(fn, x, strict=True)
     assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+def test_custom_vjp_in_while_loop():
+    # jax.jacrev cannot differentiate a while loop and jax.jacfwd cannot a custom_vjp: the
+    # reference is the same loop with the cube written out.
+    x = _input((4,), jnp.float64)
+
+    def loop(cube):
+        return lambda x: lax.while_loop(
+            lambda s: s[0] < 2, lambda s: (s[0] + 1, cube(s[1]) * 0.5), (0, x)
+        )[1]
+
+    for mode in ("auto", "forward"):
+        out = dl.materialise(loop(_cube), x, mode=mode)
+        assert_tree_allclose(out, jax.jacfwd(loop(lambda y: y**3))(x), rtol=1e-12)
 
 
 def test_while_loop_has_a_rule():
