@@ -52,6 +52,9 @@ class Context:
     - `in_shapes`: the shape of each input leaf, in order.
     - `densified`: filled in by `record`: how many equations of each primitive took the
         dense fallback (what `materialise(..., strict=True)` reports).
+    - `coloured`: filled in by `record_colouring`: for each primitive computed by the
+        sparse fallback, the number of colours (compressed evaluations) of each of its
+        equations.
     """
 
     in_shapes: list[tuple[int, ...]]

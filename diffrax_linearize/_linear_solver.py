@@ -133,7 +133,7 @@ class _Delegate(_State):
 
 
 class StructuredLinearSolver(lx.AbstractLinearSolver):
-    """A `lineax` linear solver that exploits the structure of the operators returned by
+    r"""A `lineax` linear solver that exploits the structure of the operators returned by
     [`diffrax_linearize.materialise_operator`][]:
 
     - [`diffrax_linearize.BlockDiagonalLinearOperator`][]: each block inverted (batched

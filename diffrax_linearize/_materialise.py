@@ -628,7 +628,17 @@ class StructureReport:
     """What the structure engine found in a Jacobian: for each (output leaf, input leaf)
     pair, the kind of block and the numbers it stores against a dense block's, and the
     primitives that took the exact dense fallback. Returned by
-    [`diffrax_linearize.structure_report`][]; `str(report)` is a table."""
+    [`diffrax_linearize.structure_report`][]; `str(report)` is a table.
+
+    **Arguments:**
+
+    - `rows`: one dictionary per (output leaf, input leaf) pair, with keys `"output"` and
+        `"input"` (the leaves' paths) and `"structure"` (the block's description).
+    - `densified`: for each primitive that took the exact dense fallback, how many of its
+        equations did.
+    - `coloured`: for each primitive computed by the sparse fallback (compressed
+        evaluations over a colouring of its pattern), the colour count of each equation.
+    """
 
     def __init__(self, rows, densified, coloured):
         self.rows = rows
