@@ -37,6 +37,11 @@ from ._compat import (
 )
 from ._levy_area import IteratedIntegrals
 from ._materialise import materialise
+from ._solver.implicit import (
+    ImplicitEulerMaruyama as _ImplicitEulerMaruyama,
+    ImplicitItoMilstein as _ImplicitItoMilstein,
+    ImplicitStratonovichMilstein as _ImplicitStratonovichMilstein,
+)
 from ._solver.milstein import (
     ItoMilstein as _OurItoMilstein,
     StratonovichMilstein as _OurStratonovichMilstein,
@@ -413,6 +418,16 @@ def _backward_plan(terms, solver, user_solver) -> tuple[Any, Callable]:
             backward = user_solver
         elif isinstance(solver, (diffrax.ItoMilstein, _OurItoMilstein)):
             backward = _OurStratonovichMilstein()
+        elif isinstance(solver, (_ImplicitItoMilstein, _ImplicitEulerMaruyama)):
+            # The adjoint of a stiff drift is as stiff: keep the drift implicit backwards.
+            # Euler-Maruyama's backward step is Milstein's (Stratonovich needs the
+            # correction to converge), on commutative noise unless told otherwise.
+            backward = _ImplicitStratonovichMilstein(
+                theta=solver.theta,
+                general_noise=getattr(solver, "general_noise", False),
+                root_finder=solver.root_finder,
+                root_find_max_steps=solver.root_find_max_steps,
+            )
         else:
             backward = diffrax.EulerHeun()
     else:
@@ -658,7 +673,10 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
       $f - \tfrac12 \sum_j (\partial g_{:,j}/\partial y) g_{:,j}$ (the sum from
       [`diffrax_linearize.milstein_trace_term`][]); the backward pass solves the adjoint of
       that Stratonovich SDE, with [`diffrax_linearize.StratonovichMilstein`][] when the
-      forward solver is an Itô Milstein method and `diffrax.EulerHeun` otherwise (or
+      forward solver is an Itô Milstein method,
+      [`diffrax_linearize.ImplicitStratonovichMilstein`][] (same `theta` and root finder)
+      when it is [`diffrax_linearize.ImplicitItoMilstein`][] or
+      [`diffrax_linearize.ImplicitEulerMaruyama`][], and `diffrax.EulerHeun` otherwise (or
       with `solver=` if given, which must be a Stratonovich solver). The terms must be
       `MultiTerm(drift, diffusion)` with one Brownian diffusion and a drift controlled by
       `dt`. For diagonal noise the correction assumes, as
