@@ -8,6 +8,9 @@ Problems (float32, 2-core CPU in the issue's acceptance):
 - the first un-jitted call with `A` closed over, N=3000: `materialise(f, x)` against the
   first call of `jax.jit(jax.jacfwd(f))` (compilation included), and whether our result is
   `A` bit for bit.
+- Equinox layers (`Conv1d`, `Conv2d`, `ConvTranspose1d`, `Linear`), the Jacobian with
+  respect to the input and to the parameters: ours against `jax.jacfwd`, where structure
+  may not pay (ours must not be slower beyond timing noise).
 
     python benchmarks/materialise.py [--quick]
 """
@@ -15,8 +18,10 @@ Problems (float32, 2-core CPU in the issue's acceptance):
 import argparse
 import time
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import lineax as lx
 import matplotlib
 import numpy as np
@@ -81,6 +86,54 @@ def _nonlinear_methods():
     return {"jax.jacfwd": jacfwd, "ours": ours}
 
 
+def _layers():
+    """`(name, layer, input)` for the layer cases, float32."""
+    keys = jr.split(jr.key(0), 4)
+    return [
+        ("Conv1d(4, 8, 3)", eqx.nn.Conv1d(4, 8, 3, padding=1, key=keys[0]), (4, 64)),
+        ("Conv2d(3, 8, 3)", eqx.nn.Conv2d(3, 8, 3, padding=1, key=keys[1]), (3, 16, 16)),
+        ("ConvTranspose1d(4, 8, 3)", eqx.nn.ConvTranspose1d(4, 8, 3, key=keys[2]), (4, 32)),
+        ("Linear(64, 64)", eqx.nn.Linear(64, 64, key=keys[3]), (64,)),
+    ]
+
+
+def _layer_methods(layer, x):
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def wrt_input(jac):
+        return lambda x, params: jac(lambda x: eqx.combine(params, static)(x), x)
+
+    def wrt_params(jac):
+        return lambda x, params: jac(lambda p: eqx.combine(p, static)(x), params)
+
+    def jacfwd(f, x):
+        return jax.jacfwd(f)(x)
+
+    ours = dl.materialise
+    return params, {
+        ("input", "jax.jacfwd"): wrt_input(jacfwd),
+        ("input", "ours"): wrt_input(ours),
+        ("params", "jax.jacfwd"): wrt_params(jacfwd),
+        ("params", "ours"): wrt_params(ours),
+    }
+
+
+def _layer_rows():
+    rows = []
+    for name, layer, shape in _layers():
+        x = jnp.asarray(np.random.RandomState(3).randn(*shape), jnp.float32)
+        params, methods = _layer_methods(layer, x)
+        for (wrt, method), fn in methods.items():
+            t = time_compiled(fn, x, params, repeats=21)
+            rows.append({"problem": f"{name} wrt {wrt}", "N": x.size, "method": method, **t})
+        for wrt in ("input", "params"):  # the timed programs agree
+            a = jax.jit(methods[(wrt, "ours")])(x, params)
+            b = jax.jit(methods[(wrt, "jax.jacfwd")])(x, params)
+            for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+                np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-6)
+    return rows
+
+
 def _repeats(n):
     return 7 if n <= 1000 else 3
 
@@ -135,6 +188,7 @@ def run(quick: bool = False) -> list[dict]:
         ours = jax.jit(_linear_methods()["ours"])(x, A)
         assert np.array_equal(np.asarray(ours), np.asarray(A)), "ours is not A bit for bit"
     rows += _first_call(first_n)
+    rows += _layer_rows()
 
     columns = [
         ("problem", "problem"),
@@ -188,6 +242,14 @@ def _ratios(rows, sizes, first_n):
             _get(rows, "first call A @ x", first_n, "ours (eager)", "first_s"),
             _get(rows, "first call A @ x", first_n, "jax.jit(jax.jacfwd) first call", "first_s"),
         ),
+        **{
+            f"{p}: ours / jacfwd (want <= 1)": ratio(
+                _get(rows, p, n, "ours"), _get(rows, p, n, "jax.jacfwd")
+            )
+            for p, n in dict.fromkeys(
+                (r["problem"], r["N"]) for r in rows if " wrt " in r["problem"]
+            )
+        },
     }
 
 

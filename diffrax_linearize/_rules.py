@@ -1157,6 +1157,34 @@ def _conv_as_shifts(lhs, rhs, params):
     return jnp.transpose(total, np.argsort(out_spec))
 
 
+def _conv_as_patches(lhs, rhs, params):
+    """`conv_general_dilated(lhs, rhs)` with one feature and batch group, as the input's
+    patches (`lax.conv_general_dilated_patches`, constant when only the kernel is linear)
+    contracted with the kernel: the Jacobian with respect to the kernel is then the
+    patches, tied along the output features, rather than the kernel's identity pushed
+    through the convolution (`jax.jacfwd`'s way)."""
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    x = jnp.transpose(lhs, lhs_spec)  # (N, C, *spatial)
+    w = jnp.transpose(rhs, rhs_spec)  # (O, I, *kernel)
+    patches = lax.conv_general_dilated_patches(
+        x,
+        w.shape[2:],
+        params["window_strides"],
+        [tuple(int(q) for q in p) for p in params["padding"]],
+        lhs_dilation=params["lhs_dilation"],
+        rhs_dilation=params["rhs_dilation"],
+        precision=lax.Precision.HIGHEST,
+    )  # (N, I * prod(kernel), *out_spatial), I major
+    out = jnp.einsum(
+        "np...,op->no...",
+        patches.astype(w.dtype),
+        w.reshape(w.shape[0], -1),
+        precision=params["precision"],
+        preferred_element_type=params["preferred_element_type"],
+    )
+    return jnp.transpose(out, np.argsort(out_spec))
+
+
 _CONV_MAX_WINDOW = 64
 
 
@@ -1182,6 +1210,17 @@ def _conv_rule(ctx, eqn, vals):
             jax.ShapeDtypeStruct(aval.shape, aval.dtype)
         )
         return interpret(ctx, closed.jaxpr, closed.consts, [lhs])
+    if (
+        isinstance(rhs, Lin)
+        and not isinstance(lhs, Lin)
+        and params["feature_group_count"] == 1
+        and params["batch_group_count"] == 1
+    ):
+        aval = eqn.invars[1].aval
+        closed = jax.make_jaxpr(lambda w: _conv_as_patches(lhs, w, params))(
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        )
+        return interpret(ctx, closed.jaxpr, closed.consts, [rhs])
     return _apply_along_out(ctx, eqn, vals)
 
 

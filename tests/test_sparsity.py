@@ -3,6 +3,8 @@ write, loops, and the lineax operators and solver that keep the structure. Every
 is compared with `jax.jacfwd`; every operator with its dense matrix; storage is asserted by
 counting the numbers held in the operators' array leaves."""
 
+import re
+
 import diffrax_linearize as dl
 import equinox as eqx
 import jax
@@ -151,6 +153,29 @@ def test_block_diagonal_storage(name):
     assert _leaf_size(op) == 9 * 50
     assert "block-diagonal 50 x 3 x 3" in _block(fn, x).describe()
     np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (lambda key: eqx.nn.Conv2d(3, 4, 3, padding=1, key=key), (3, 7, 6)),
+        (lambda key: eqx.nn.Conv1d(2, 3, 3, stride=2, dilation=2, key=key), (2, 15)),
+        (lambda key: eqx.nn.ConvTranspose1d(2, 3, 3, stride=2, key=key), (2, 8)),
+    ],
+    ids=["Conv2d", "Conv1d_strided_dilated", "ConvTranspose1d"],
+)
+def test_conv_kernel_jacobian_is_the_patches(layer, shape):
+    # With respect to its kernel, a convolution's Jacobian is the input's patches, each
+    # output feature using its own kernel slice: stored as a pattern, not as the kernel's
+    # identity pushed through the convolution (dense, out size x kernel size).
+    layer = layer(jax.random.key(0))
+    x = jnp.asarray(np.random.RandomState(0).randn(*shape), jnp.float64)
+    w = jnp.asarray(layer.weight, jnp.float64)
+    fn = lambda w: eqx.tree_at(lambda m: m.weight, layer, w)(x)
+    np.testing.assert_allclose(dl.materialise(fn, w), jax.jacfwd(fn)(w), rtol=1e-12, atol=1e-14)
+    (kind,) = dl.structure_report(fn, w).kinds
+    stored, dense = re.search(r"([\d,]+) numbers stored, dense ([\d,]+)", kind).groups()
+    assert int(stored.replace(",", "")) * layer.out_channels <= int(dense.replace(",", "")), kind
 
 
 def test_banded_storage():
