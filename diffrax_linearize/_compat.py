@@ -147,3 +147,12 @@ except AttributeError:  # pragma: no cover - where `jax.core` no longer exports 
 
 def is_tracer(x) -> bool:
     return isinstance(x, _Tracer)
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a `scan` equation: parameters of their own up to jax
+    0.11, the lengths of the first two groups of its `ft_in` flat tree from jax 0.12."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._colouring import apply_block, colour_columns, decompress, pattern_of
-from ._compat import bind_eqn, prim
+from ._compat import bind_eqn, prim, scan_counts
 from ._interpreter import Context, dense_fallback, eval_jaxpr, interpret, Lin, register_rule
 from ._rules import conform, join
 from ._sparsity import too_full
@@ -174,7 +174,7 @@ def _xs_slice(x: Lin):
 @register_rule(prim("scan"))
 def _scan_rule(ctx: Context, eqn, vals):
     params = eqn.params
-    nc, nk = params["num_consts"], params["num_carry"]
+    nc, nk = scan_counts(params)
     body = params["jaxpr"]
     consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
     length, reverse = params["length"], params["reverse"]

@@ -504,9 +504,7 @@ def _(dt):
 @case("custom_vjp_in_scan", reference="jacrev")
 def _(dt):
     xs = _const((3, 4), 29, dt)
-    return lambda x: lax.scan(lambda c, a: (_cube(c) * 0.5 + a, c), x, xs)[0], (
-        _input((4,), dt),
-    )
+    return lambda x: lax.scan(lambda c, a: (_cube(c) * 0.5 + a, c), x, xs)[0], (_input((4,), dt),)
 
 
 @case("custom_vjp_in_cond", reference="jacrev")
