@@ -8,11 +8,13 @@ Problems (float32, 2-core CPU in the issue's acceptance):
 - the first un-jitted call with `A` closed over, N=3000: `materialise(f, x)` against the
   first call of `jax.jit(jax.jacfwd(f))` (compilation included), and whether our result is
   `A` bit for bit.
+- with `--seed-n 10000` (the GPU run): the seed report's case, `A @ x` at N = 10,000,
+  compiled and first calls.
 - Equinox layers (`Conv1d`, `Conv2d`, `ConvTranspose1d`, `Linear`), the Jacobian with
   respect to the input and to the parameters: ours against `jax.jacfwd`, where structure
   may not pay (ours must not be slower beyond timing noise).
 
-    python benchmarks/materialise.py [--quick]
+    python benchmarks/materialise.py [--quick] [--seed-n N]
 """
 
 import argparse
@@ -171,7 +173,19 @@ def _first_call(n):
     ]
 
 
-def run(quick: bool = False) -> list[dict]:
+def _seed_rows(n):
+    """The seed report's case (JAX #9215): `A @ x` at size `n` (10,000 there, on a GPU),
+    compiled and run, `jax.jacfwd` against ours, and both first calls."""
+    A = _matrix(n, 5)
+    x = jnp.ones((n,), jnp.float32)
+    rows = []
+    for name in ("jax.jacfwd", "ours"):
+        t = time_compiled(_linear_methods()[name], x, A, repeats=3, max_time=60.0)
+        rows.append({"problem": "A @ x (seed size)", "N": n, "method": name, **t})
+    return rows + _first_call(n)
+
+
+def run(quick: bool = False, seed_n: int | None = None) -> list[dict]:
     sizes = [500, 1000] if quick else [500, 1000, 2000, 4000]
     first_n = 1000 if quick else 3000
     rows = []
@@ -189,6 +203,8 @@ def run(quick: bool = False) -> list[dict]:
         assert np.array_equal(np.asarray(ours), np.asarray(A)), "ours is not A bit for bit"
     rows += _first_call(first_n)
     rows += _layer_rows()
+    if seed_n is not None:
+        rows += _seed_rows(seed_n)
 
     columns = [
         ("problem", "problem"),
@@ -278,4 +294,8 @@ def plot(rows, out=None):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="N in {500, 1000}, seconds")
-    run(quick=parser.parse_args().quick)
+    parser.add_argument(
+        "--seed-n", type=int, default=None, help="also the seed report's A @ x at this N (GPU)"
+    )
+    ns = parser.parse_args()
+    run(quick=ns.quick, seed_n=ns.seed_n)
