@@ -504,9 +504,7 @@ def _(dt):
 @case("custom_vjp_in_scan", reference="jacrev")
 def _(dt):
     xs = _const((3, 4), 29, dt)
-    return lambda x: lax.scan(lambda c, a: (_cube(c) * 0.5 + a, c), x, xs)[0], (
-        _input((4,), dt),
-    )
+    return lambda x: lax.scan(lambda c, a: (_cube(c) * 0.5 + a, c), x, xs)[0], (_input((4,), dt),)
 
 
 @case("custom_vjp_in_cond", reference="jacrev")
@@ -926,8 +924,7 @@ def test_closed_over_array_not_a_constant():
 
 def _linear_primitive():
     """A linear primitive (doubling) with no structure rule: it takes the dense fallback."""
-    from jax.extend.core import Primitive
-    from jax.interpreters import ad, batching, mlir
+    from diffrax_linearize._compat import ad, batching, mlir, Primitive
 
     p = Primitive("double_without_rule")
     p.def_impl(lambda x: 2 * x)
