@@ -4,6 +4,7 @@ adjoints and autodiff recursions built on them."""
 import importlib.metadata
 
 from ._adjoint import BacksolveAdjoint as BacksolveAdjoint
+from ._diagonal import jacobian_diagonal as jacobian_diagonal
 from ._ensemble import (
     EnsembleSolution as EnsembleSolution,
     solve_ensemble as solve_ensemble,

@@ -13,6 +13,7 @@ from diffrax._root_finder import use_stepsize_tol as use_stepsize_tol
 from diffrax._saveat import save_y as save_y
 from diffrax._solver.srk import AbstractSRK as AbstractSRK, AdditiveCoeffs as AdditiveCoeffs
 from jax.extend.core import primitives as _prims
+from jax.interpreters import ad as ad, batching as batching, mlir as mlir
 
 
 # Diffrax 0.7.2's own custom-VJP helpers, reused by the backsolve adjoint so that its
@@ -27,6 +28,8 @@ JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
 Var = jex_core.Var
 Primitive = jex_core.Primitive
+jaxpr_as_fun = jex_core.jaxpr_as_fun
+subjaxprs = jex_core.subjaxprs
 
 
 # Names that differ between JAX versions: ours -> the alternatives, newest first.
@@ -127,6 +130,26 @@ def eqn_as_jaxpr(eqn: JaxprEqn) -> Jaxpr:
         outvars=outvars,
         eqns=[new_eqn],
         effects=eqn.effects,
+        debug_info=debug_info,
+    )
+
+
+def new_jaxpr(invars, eqns, outvars) -> Jaxpr:
+    """A jaxpr of existing equations `eqns` (in order), with inputs `invars` and outputs
+    `outvars` (variables of those equations)."""
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    debug_info = jex_core.DebugInfo(
+        "diffrax_linearize",
+        "sub-program",
+        tuple(f"in{i}" for i in range(len(invars))),
+        tuple(f"out{i}" for i in range(len(outvars))),
+    )
+    return Jaxpr(
+        constvars=(),
+        invars=list(invars),
+        outvars=list(outvars),
+        eqns=list(eqns),
+        effects=effects,
         debug_info=debug_info,
     )
 

@@ -16,7 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compat import bind_eqn, eqn_as_jaxpr, is_literal, is_tracer, literal_value, used_inputs
+from ._compat import (
+    bind_eqn,
+    eqn_as_jaxpr,
+    is_literal,
+    is_tracer,
+    literal_value,
+    prim,
+    used_inputs,
+)
 from ._structure import Struct
 
 
@@ -70,39 +78,81 @@ class Context:
         self.coloured.setdefault(name, []).append(colours)
 
 
-Rule = Callable[[Context, object, list], list]
-_RULES: dict[object, Rule] = {}
+Rule = Callable[..., object]
+
+JACOBIAN = "jacobian"
+"""The name of the structure engine's own recursion: the rules that propagate
+[`Struct`][diffrax_linearize.internal.Struct] blocks through linear equations."""
+
+# One registry family: recursion name -> {primitive: rule}. Each is a plain dict.
+_REGISTRIES: dict[str, dict[object, Rule]] = {JACOBIAN: {}}
+_RULES = _REGISTRIES[JACOBIAN]
 
 
-def register_rule(*prims):
-    """Decorator: register `rule(ctx, eqn, invals) -> outvals` for the given primitives.
+def rule_registry(recursion: str = JACOBIAN) -> dict[object, Rule]:
+    """The rule registry of one recursion: a plain dict `{primitive: rule}`, created empty
+    on first use.
 
-    `invals` holds, per input of the equation, a
+    **Arguments:**
+
+    - `recursion`: the recursion's name: `"jacobian"` (the default) for the structure
+        engine's rules, `"squared_grads"` for the per-example gradient norms, or your own.
+
+    **Returns:** the dict itself (rules are added with `register_rule`).
+    """
+    return _REGISTRIES.setdefault(recursion, {})
+
+
+def register_rule(*prims, recursion: str = JACOBIAN):
+    """Decorator: register a rule for the given primitives in the registry of `recursion`.
+
+    For the structure engine's own recursion (the default, `"jacobian"`) the rule is
+    `rule(ctx, eqn, invals) -> outvals`: `invals` holds, per input of the equation, a
     [`Lin`][diffrax_linearize.internal.Lin] or a constant array; the rule returns one value
-    per output. A rule may return `NotImplemented` to hand the equation
-    to the exact dense fallback (for a case it does not cover).
+    per output. A rule may return `NotImplemented` to hand the equation to the exact dense
+    fallback (for a case it does not cover). Another recursion defines its own rule
+    signature (see [Writing a recursion](../devdocs/structure_engine.md)).
+
+    **Arguments:**
+
+    - `*prims`: the primitives (`None` entries, for primitives this JAX version lacks, are
+        skipped).
+    - `recursion`: the name of the recursion the rule belongs to.
     """
 
     def decorator(rule: Rule) -> Rule:
+        registry = rule_registry(recursion)
         for p in prims:
             if p is not None:
-                _RULES[p] = rule
+                registry[p] = rule
         return rule
 
     return decorator
 
 
-def lookup_rule(primitive) -> Rule | None:
-    """The rule registered for `primitive` (a `jax.extend.core.Primitive`) with
-    [`register_rule`][diffrax_linearize.internal.register_rule], or `None`: then the
-    equation takes the exact [`dense_fallback`][diffrax_linearize.internal.dense_fallback]."""
-    return _RULES.get(primitive)
+def lookup_rule(primitive, recursion: str = JACOBIAN) -> Rule | None:
+    """The rule registered for `primitive` with
+    [`register_rule`][diffrax_linearize.internal.register_rule], or `None`. For the
+    `"jacobian"` recursion `None` means that the equation takes the exact
+    [`dense_fallback`][diffrax_linearize.internal.dense_fallback].
+
+    **Arguments:**
+
+    - `primitive`: a JAX primitive.
+    - `recursion`: the name of the recursion whose registry is searched.
+    """
+    return _REGISTRIES.get(recursion, {}).get(primitive)
 
 
-def registered_primitives() -> list[str]:
-    """The names of all primitives that have a structure rule, sorted: those not listed take
-    the exact dense fallback."""
-    return sorted(str(p) for p in _RULES)
+def registered_primitives(recursion: str = JACOBIAN) -> list[str]:
+    """The names of all primitives that have a rule in the registry of `recursion`, sorted:
+    for the structure engine, those not listed take the exact dense fallback.
+
+    **Arguments:**
+
+    - `recursion`: the name of the recursion (default `"jacobian"`).
+    """
+    return sorted(str(p) for p in rule_registry(recursion))
 
 
 def known(x):
@@ -156,18 +206,93 @@ def read_value(env, v):
     return env[v]
 
 
-def eval_jaxpr(jaxpr, consts, invals, apply_eqn: Callable[[object, list], list]) -> list:
-    """Evaluate `jaxpr` equation by equation, each through `apply_eqn(eqn, vals)`."""
+# Call-like primitives whose sub-jaxpr computes the same values as the equation.
+_CALLS = ("jit", "closed_call", "remat")
+
+
+def call_jaxpr(eqn, custom_jvp: bool = False):
+    """The sub-jaxpr of a call equation, which computes the same values as the equation.
+
+    **Arguments:**
+
+    - `eqn`: a `JaxprEqn`.
+    - `custom_jvp`: also open `custom_jvp_call` equations (their sub-jaxpr has the same
+        values but not the same derivatives: right for a linear program, not for a
+        recursion that differentiates).
+
+    **Returns:** `(jaxpr, consts)` for a `jit`, `closed_call` or `remat` equation (and with
+    `custom_jvp`, a `custom_jvp_call`), else `None`.
+    """
+    names = _CALLS + (("custom_jvp_call",) if custom_jvp else ())
+    if not any(eqn.primitive is prim(name) for name in names):
+        return None
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if name in eqn.params:
+            closed = eqn.params[name]
+            return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
+    return None
+
+
+def eval_jaxpr(jaxpr, consts, invals, apply_eqn: Callable, *, inline=None, path=None) -> list:
+    """The one jaxpr walker: evaluate `jaxpr` equation by equation, each through
+    `apply_eqn(eqn, vals)`, reading and writing the environment here.
+
+    **Arguments:**
+
+    - `jaxpr`, `consts`, `invals`: a `Jaxpr`, the values of its constvars and invars.
+    - `apply_eqn`: `apply_eqn(eqn, vals) -> outs`; with `path`, `apply_eqn(eqn, vals, key)`
+        where `key` is `path` followed by the equation's index (nested calls append theirs),
+        so that a recursion can tell apart two calls of the same sub-jaxpr.
+    - `inline`: optional `inline(eqn, vals[, key]) -> bool`, asked for each call equation
+        (see `call_jaxpr`): `True` evaluates its sub-jaxpr here, by the same walker.
+    - `path`: the key prefix of this jaxpr's equations, or `None` for no keys.
+
+    **Returns:** one value per outvar.
+    """
     env = {}
     for v, val in zip(jaxpr.constvars, consts):
         env[v] = val
     for v, val in zip(jaxpr.invars, invals):
         env[v] = val
-    for eqn in jaxpr.eqns:
-        outs = apply_eqn(eqn, [read_value(env, v) for v in eqn.invars])
+    for i, eqn in enumerate(jaxpr.eqns):
+        vals = [read_value(env, v) for v in eqn.invars]
+        extra = () if path is None else ((*path, i),)
+        sub = None if inline is None else call_jaxpr(eqn)
+        if sub is not None and inline(eqn, vals, *extra):
+            sub_path = None if path is None else extra[0]
+            outs = eval_jaxpr(*sub, vals, apply_eqn, inline=inline, path=sub_path)
+        else:
+            outs = apply_eqn(eqn, vals, *extra)
         for v, out in zip(eqn.outvars, outs):
             env[v] = out
     return [read_value(env, v) for v in jaxpr.outvars]
+
+
+def subjaxprs(eqn):
+    """The sub-jaxprs (open `Jaxpr`s) held in `eqn`'s parameters: call bodies, branches,
+    loop bodies."""
+    for value in eqn.params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if hasattr(item, "eqns"):
+                yield item
+            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+                yield item.jaxpr
+
+
+def iter_eqns(jaxpr):
+    """Every equation of `jaxpr` and, depth first, of its sub-jaxprs: for queries over a
+    program (which primitives, which callables it holds) that evaluate nothing.
+
+    **Arguments:**
+
+    - `jaxpr`: a `Jaxpr`.
+
+    **Returns:** an iterator of `JaxprEqn`s.
+    """
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in subjaxprs(eqn):
+            yield from iter_eqns(sub)
 
 
 def interpret(ctx: Context, jaxpr, consts, invals) -> list:
@@ -177,7 +302,7 @@ def interpret(ctx: Context, jaxpr, consts, invals) -> list:
     **Arguments:**
 
     - `ctx`: the [`Context`][diffrax_linearize.internal.Context] of the interpretation.
-    - `jaxpr`, `consts`: a `jax.extend.core.Jaxpr` and the values of its constvars.
+    - `jaxpr`, `consts`: a `Jaxpr` and the values of its constvars.
     - `invals`: one value per invar of `jaxpr`.
 
     **Returns:** one value per outvar, each a `Lin` or a constant array.
@@ -208,7 +333,7 @@ def linear_outputs(eqn, vals) -> list[bool]:
     """Which outputs of `eqn` depend on its linear inputs. Only equations holding
     sub-jaxprs (control flow) can mix constant and linear outputs."""
     n = len(eqn.outvars)
-    if not any(True for _ in _subjaxprs(eqn)):
+    if not any(True for _ in subjaxprs(eqn)):
         return [True] * n
     jaxpr = eqn_as_jaxpr(eqn)
     is_lin = [isinstance(x, Lin) for x in vals]
@@ -219,19 +344,12 @@ def linear_outputs(eqn, vals) -> list[bool]:
     return out
 
 
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            if hasattr(item, "eqns") or hasattr(item, "jaxpr"):
-                yield item
-
-
 def dense_fallback(ctx: Context, eqn, vals) -> list:
     """The exact fallback for any equation: for each input leaf, the dense Jacobians of the
     linear inputs are pushed through the equation with `jax.vmap` over the leaf's basis,
     which is exact because the equation is linear in its linear inputs.
 
-    **Arguments:** `ctx`, `eqn` (a `jax.extend.core.JaxprEqn`) and `vals` (its inputs, each a
+    **Arguments:** `ctx`, `eqn` (a `JaxprEqn`) and `vals` (its inputs, each a
     [`Lin`][diffrax_linearize.internal.Lin] or a constant), as a rule receives them; returns
     one value per output, as a rule does.
     """

@@ -20,6 +20,7 @@ from ._operators import (
     SparseLinearOperator,
     StaticArray,
 )
+from ._sparsity import compressed_diagonal
 
 
 _API = "diffrax_linearize.StructuredLinearSolver"
@@ -342,7 +343,8 @@ def _(operator, solver, options):
                 operator, inv[rows].ravel(), inv[cols].ravel(), values, m, width
             )
             return _Permuted(operator, inner, StaticArray(perm), StaticArray(inv))
-    d = operator.diagonal()
+    # Jacobi: the diagonal read off the pattern, as `jacobian_diagonal` reads it.
+    d = compressed_diagonal(operator.values, operator.columns.array)
     structure = operator.in_structure()
     inv_d = jnp.reshape(jnp.where(d == 0, 1, 1 / jnp.where(d == 0, 1, d)), structure.shape)
     preconditioner = lx.FunctionLinearOperator(lambda v: v * inv_d, structure)

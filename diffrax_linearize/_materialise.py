@@ -14,7 +14,16 @@ import numpy as np
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
 from ._compat import bind_eqn, dce_jaxpr, prim
 from ._custom_types import MaterialiseMode
-from ._interpreter import Context, eval_jaxpr, evaluate_known, interpret, known, Lin
+from ._interpreter import (
+    Context,
+    eval_jaxpr,
+    evaluate_known,
+    interpret,
+    iter_eqns,
+    known,
+    Lin,
+    subjaxprs,
+)
 from ._operators import sparse_operator
 from ._structure import Struct
 
@@ -146,17 +155,16 @@ def _callable_ids(jaxpr) -> tuple:
     """Identities of the Python callables in the equations' parameters (custom derivative
     rules), which the jaxpr's text does not show."""
     ids = []
-    for eqn in jaxpr.eqns:
+    for eqn in iter_eqns(jaxpr):
         for value in eqn.params.values():
-            items = value if isinstance(value, tuple | list) else (value,)
-            for item in items:
-                if hasattr(item, "eqns"):
-                    ids.extend(_callable_ids(item))
-                elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-                    ids.extend(_callable_ids(item.jaxpr))
-                elif callable(item) and not isinstance(item, type):
+            for item in value if isinstance(value, tuple | list) else (value,):
+                if callable(item) and not isinstance(item, type) and not _is_jaxpr(item):
                     ids.append(id(item))
     return tuple(ids)
+
+
+def _is_jaxpr(item) -> bool:
+    return hasattr(item, "eqns") or (hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"))
 
 
 def _custom_vjp_as_jvp(eqn):
@@ -205,18 +213,15 @@ def _eval_forward_differentiable(jaxpr, consts, args):
         if eqn.primitive is prim("custom_vjp_call"):
             return _custom_vjp_as_jvp(eqn)(*vals)
         if _has_custom_vjp(eqn):
-            closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            if eqn.primitive in (prim("jit"), prim("closed_call"), prim("remat")):
-                # Inlined: a checkpoint only changes what reverse mode stores.
-                jaxpr_ = getattr(closed, "jaxpr", closed)
-                return _eval_forward_differentiable(jaxpr_, getattr(closed, "consts", ()), vals)
             return bind_eqn(eqn.replace(params=_forward_differentiable_params(eqn)), vals)
         # Index computations on known values stay known, so that the linear program's
         # gathers and scatters have indices the structure rules can read.
         outs = evaluate_known(eqn, vals)
         return bind_eqn(eqn, vals) if outs is None else outs
 
-    return eval_jaxpr(jaxpr, consts, args, apply_eqn)
+    # Calls holding a `custom_vjp_call` are inlined: a checkpoint only changes what
+    # reverse mode stores.
+    return eval_jaxpr(jaxpr, consts, args, apply_eqn, inline=lambda eqn, _: _has_custom_vjp(eqn))
 
 
 def _forward_differentiable_closed(closed):
@@ -248,22 +253,13 @@ def _is_closed(value) -> bool:
     return hasattr(value, "jaxpr") and hasattr(value, "consts")
 
 
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            if hasattr(item, "eqns"):
-                yield item
-            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-                yield item.jaxpr
-
-
 def _has_custom_vjp(eqn) -> bool:
     """Whether a sub-jaxpr of `eqn` (at any depth) holds a `custom_vjp_call`."""
-    for jaxpr in _sub_jaxprs(eqn):
-        for inner in jaxpr.eqns:
-            if inner.primitive is prim("custom_vjp_call") or _has_custom_vjp(inner):
-                return True
-    return False
+    return any(
+        inner.primitive is prim("custom_vjp_call")
+        for jaxpr in subjaxprs(eqn)
+        for inner in iter_eqns(jaxpr)
+    )
 
 
 def _to_lin_outputs(outs, out_avals):

@@ -289,9 +289,9 @@ class SparseLinearOperator(lx.AbstractLinearOperator):
 
     def diagonal(self):
         """The main diagonal (of the flattened square matrix)."""
-        m, S = self.values.shape
-        hit = self.columns.array.T == np.arange(m)[:, None]
-        return jnp.where(hit, self.values, 0).sum(axis=1)
+        from ._sparsity import compressed_diagonal
+
+        return compressed_diagonal(self.values, self.columns.array)
 
 
 _OPERATORS = (BlockDiagonalLinearOperator, BandedLinearOperator, SparseLinearOperator)

@@ -15,7 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._compat import bind_eqn, prim
-from ._interpreter import Context, dense_fallback, interpret, known, Lin, register_rule
+from ._interpreter import (
+    call_jaxpr,
+    Context,
+    dense_fallback,
+    interpret,
+    known,
+    Lin,
+    register_rule,
+)
 from ._sparsity import (
     apply_known_or_traced,
     common_form,
@@ -1244,21 +1252,13 @@ def _along_out_rule(ctx, eqn, vals):
 # ---- calls and control flow -----------------------------------------------------------
 
 
-def _call_jaxpr(eqn):
-    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        if name in eqn.params:
-            return eqn.params[name]
-    return None
-
-
 @register_rule(prim("jit"), prim("closed_call"), prim("remat"), prim("custom_jvp_call"))
 def _call_rule(ctx, eqn, vals):
-    closed = _call_jaxpr(eqn)
-    if closed is None:
+    # A linear program's `custom_jvp_call` is linear too: its sub-jaxpr is the map.
+    sub = call_jaxpr(eqn, custom_jvp=True)
+    if sub is None:
         return NotImplemented
-    jaxpr = getattr(closed, "jaxpr", closed)
-    consts = getattr(closed, "consts", ())
-    return interpret(ctx, jaxpr, consts, vals)
+    return interpret(ctx, *sub, vals)
 
 
 def join(blocks: list[Struct], dtype) -> Struct:

@@ -572,17 +572,23 @@ def ell_to_plain(b: Struct) -> Struct:
     return Struct.build(dense, val_labels, b.out_labels, b.in_labels, b.out_shape, b.in_shape)
 
 
+def compressed_diagonal(values, columns, live=None):
+    """The main diagonal of a square row-compressed matrix: `values` of shape `(rows, E)`,
+    NumPy `columns` (and `live`, default all) of shape `(E, rows)`. O(rows x E): the one
+    place the diagonal of a sparse pattern is read, by `Struct.diagonal`,
+    `SparseLinearOperator.diagonal` and the Jacobi preconditioner of
+    `StructuredLinearSolver`."""
+    rows = values.shape[0]
+    hit = np.asarray(columns).T == np.arange(rows)[:, None]
+    if live is not None:
+        hit = hit & np.asarray(live).T
+    return jnp.where(hit, jnp.asarray(values), 0).sum(axis=1)
+
+
 def ell_diagonal(b: Struct):
     """`J[o, o]` of a canonical `Ell` block with equal out and in shapes."""
-    ell = b.ell
-    if ell.in_axes != tuple(range(len(b.in_shape))):
-        return b.ell_to_plain().diagonal()
-    labels = list(b.out_labels) + [BAND]
-    val = jnp.asarray(_band_val(b, labels))
-    flat = np.arange(math.prod(b.out_shape)).reshape(b.out_shape)
-    hit = (ell.tmap == flat[None]) & ell.full_mask()
-    hit = np.moveaxis(hit, 0, -1)
-    return jnp.where(hit, val, 0).sum(axis=-1)
+    values, columns, live = flat_entries(b)
+    return compressed_diagonal(values, columns, live).reshape(b.out_shape)
 
 
 def ell_transpose(b: Struct) -> Struct:

@@ -1,197 +1,95 @@
 """Sums of squared per-example gradients (the diagonal of $J^\\top J$) and per-example
 gradient norms, found from the jaxpr of the loss instead of from `vmap(grad)`.
 
-How it works:
+A recursion on the structure engine (see the developer page on the engine):
 
-1. `loss_fn` is traced for *one* example. Every equation that consumes a parameter,
-   possibly after cheap structural operations (transpose, reshape, convert, neg, slice,
-   broadcast), is a *use*; a per-primitive rule in `_USE_RULES` says whether the
-   primitive is linear in that operand, and whether each parameter entry reaches at
-   most one output entry (then squares commute with the transpose of the use).
-2. One backward pass over the batch gives the output cotangent `g` of every use: a zero
+1. `loss_fn` is traced for *one* example and walked by the engine's walker
+   (`eval_jaxpr`). A parameter followed through one-operand equations that JAX can
+   transpose (transpose, reshape, convert, neg, slice, broadcast, sums: the *chain*)
+   reaches a *use*: an equation with other operands that is linear in it. Anything else
+   a parameter meets sends it to the exact `vmap(grad)` fallback.
+2. The structure engine gives the block $J$ of the use's output with respect to the
+   parameter (chain included). The use is *fast* when every parameter entry reaches at
+   most one output entry (deltas, broadcast values, row-compressed patterns with one
+   entry per column): then squares commute with $J^\\top$,
+   $\\sum_b (J_b^\\top g_b)^2 = \\sum_b (J_b^{\\circ 2})^\\top g_b^2$, the squared block's
+   values contracted with the squared cotangents over the batch (for a dense layer
+   `square(x).T @ square(g)`).
+3. One backward pass over the batch gives the output cotangent `g` of every use: a zero
    perturbation is added to each use's output and differentiated together with the
-   parameters. The use's other operands (activations `x`) are recorded on the way.
-3. Per parameter: a single use whose entries reach at most one output entry takes
-   $\\sum_b (J_b^\\top g_b)^2 = \\sum_b (J_b^{\\circ 2})^\\top g_b^2$ (for a dense layer
-   `square(x).T @ square(g)`); anything else forms its per-example gradients from the
-   recorded `x` and `g` (summed over its uses), in chunks; a parameter consumed by a
-   primitive without a rule takes `vmap(grad)` for that parameter only, in chunks.
+   parameters. The use's other operands are recorded on the way.
+4. A parameter with one fast use takes step 2; anything else forms its per-example
+   gradients from the recorded operands and cotangents (summed over its uses), in
+   chunks. Per-example norms of a use that is not fast may come from the recursion's own
+   rules (`register_rule(..., recursion="squared_grads")`: the Gram form for a dense
+   layer shared over positions).
 """
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.extend.core import (
-    ClosedJaxpr,
-    Jaxpr,
-    jaxpr_as_fun,
-    JaxprEqn,
-    Literal,
-    Primitive,
-    primitives as prims,
-)
+import numpy as np
 from jaxtyping import Array, Float, PyTree
+
+from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
+from ._colouring import apply_block
+from ._compat import bind_eqn, is_literal, jaxpr_as_fun, new_jaxpr, prim
+from ._interpreter import (
+    Context,
+    eval_jaxpr,
+    interpret,
+    Lin,
+    lookup_rule,
+    read_value,
+    register_rule,
+    rule_registry,
+    subjaxprs,
+)
+from ._sparsity import flat_entries
+from ._structure import contract, expand, fresh_label, is_known, Struct
 
 
 # Upper bound on the bytes of per-example gradients held at once by the chunked paths.
 _CHUNK_BYTES = 2**26
 
+SQUARED_GRADS = "squared_grads"
+"""The name of this recursion's rule registry: `rule(eqn, index, others, g)` returns the
+`(B,)` squared norms of the per-example gradients of operand `index` of `eqn` from the
+batched other operands `others` and output cotangents `g`, or `None` for the generic
+per-example computation."""
 
-#
-# Rule registries
-#
+_USE_RULES = rule_registry(SQUARED_GRADS)
 
 
 @dataclasses.dataclass(frozen=True)
 class UseKind:
-    """How a primitive uses one of its operands, as reported by a use rule.
+    """How a use reaches its parameter, as the structure engine sees it.
 
     **Arguments:**
 
-    - `fast`: whether every entry of the operand reaches at most one entry of the
-        output (for one example). Then the squared per-example gradients sum as
-        $\\sum_b (J_b^{\\circ 2})^\\top g_b^2$ and `squared` must be given.
-    - `squared`: `squared(w, others)` evaluates the linear map whose Jacobian is the
-        elementwise square of the primitive's Jacobian in the operand, at `w`, where
-        `others` are the remaining operands (in order, unsquared).
-    - `norms`: optional `norms(others, g)` returning the `(B,)` squared norms
-        of the per-example gradients of the operand from batched `others` and output
-        cotangents `g`, or `None` to use the generic per-example computation.
+    - `fast`: whether every entry of the parameter reaches at most one entry of the use's
+        output (for one example): the block of the use with respect to the parameter has
+        at most one entry per column.
+    - `block`: that block (canonical, its `val` a `jax.ShapeDtypeStruct`), or `None`.
+    - `isometric`: whether the chain from the parameter to the use's operand has
+        orthonormal rows (each operand entry is $\\pm$ one parameter entry, no two the
+        same), so that norms of gradients with respect to the operand are the parameter's.
+    - `norms`: the recursion's rule for the use's primitive, or `None`.
     """
 
     fast: bool
-    squared: Callable[[Array, Sequence[Any]], Array] | None = None
+    block: Struct | None = None
+    isometric: bool = False
     norms: Callable[..., Array | None] | None = None
 
 
-# primitive -> rule(eqn, operand_index) -> UseKind | None (None: not linear there).
-_USE_RULES: dict[Primitive, Callable[[JaxprEqn, int], UseKind | None]] = {}
-# primitive -> rule(eqn) -> bool: a one-operand linear map whose Jacobian has at most
-# one nonzero per column, entries +-1 (True), or linear otherwise (False).
-_STRUCTURAL_RULES: dict[Primitive, Callable[[JaxprEqn], bool]] = {}
-# Call-like primitives whose sub-jaxpr is inlined (same values and derivatives).
-_INLINE: dict[Primitive, str] = {
-    prims.jit_p: "jaxpr",
-    prims.closed_call_p: "call_jaxpr",
-    prims.remat_p: "jaxpr",
-}
-
-
-def register_use_rule(prim: Primitive):
-    """Register a use rule for `prim` (a decorator).
-
-    The rule is called as `rule(eqn, index)` for an equation `eqn` whose operand
-    `index` is derived from exactly one parameter; it returns a `UseKind` if the
-    output is linear in that operand (the other operands held fixed), else `None`.
-    A primitive without a rule takes the exact `vmap(grad)` fallback for the parameter.
-    """
-
-    def _register(rule):
-        _USE_RULES[prim] = rule
-        return rule
-
-    return _register
-
-
-def register_structural_rule(prim: Primitive):
-    """Register a structural (one-operand, linear) primitive that a parameter is
-    followed through (a decorator). The rule returns whether each output entry comes
-    from exactly one input entry with coefficient $\\pm 1$ and each input entry reaches
-    at most one output entry (a signed partial permutation).
-
-    **Arguments:**
-
-    - `prim`: the `jax.extend.core.Primitive` the decorated rule is for.
-    """
-
-    def _register(rule):
-        _STRUCTURAL_RULES[prim] = rule
-        return rule
-
-    return _register
-
-
-def _bind(eqn: JaxprEqn, *args):
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, params = params
-        args = (*subfuns, *args)
-    out = eqn.primitive.bind(*args, **params)
-    return out if eqn.primitive.multiple_results else [out]
-
-
-def _insert(others: Sequence[Any], index: int, w) -> list:
-    args = list(others)
-    args.insert(index, w)
-    return args
-
-
-def _same_shape(eqn: JaxprEqn, index: int) -> bool:
-    return tuple(eqn.invars[index].aval.shape) == tuple(eqn.outvars[0].aval.shape)
-
-
-def _squared_bind(eqn: JaxprEqn, index: int):
-    def squared(w, others):
-        return _bind(eqn, *_insert([o * o for o in others], index, w))[0]
-
-    return squared
-
-
-def _identity_squared(w, others):
-    del others
-    return w
-
-
-for _p in (prims.transpose_p, prims.reshape_p, prims.squeeze_p, prims.rev_p):
-    register_structural_rule(_p)(lambda eqn: True)
-for _p in (prims.convert_element_type_p, prims.copy_p, prims.reduce_precision_p):
-    register_structural_rule(_p)(lambda eqn: True)
-register_structural_rule(prims.neg_p)(lambda eqn: True)
-register_structural_rule(prims.slice_p)(lambda eqn: True)
-
-
-@register_structural_rule(prims.broadcast_in_dim_p)
-def _broadcast_rule(eqn):
-    return math.prod(eqn.outvars[0].aval.shape) == math.prod(eqn.invars[0].aval.shape)
-
-
-@register_use_rule(prims.add_p)
-@register_use_rule(prims.sub_p)
-@register_use_rule(prims.add_any_p if hasattr(prims, "add_any_p") else prims.add_jaxvals_p)
-def _add_rule(eqn, index):
-    fast = _same_shape(eqn, index)
-    return UseKind(fast=fast, squared=_identity_squared if fast else None)
-
-
-@register_use_rule(prims.mul_p)
-def _mul_rule(eqn, index):
-    fast = _same_shape(eqn, index)
-    return UseKind(fast=fast, squared=_squared_bind(eqn, index) if fast else None)
-
-
-@register_use_rule(prims.div_p)
-def _div_rule(eqn, index):
-    if index != 0:
-        return None
-    fast = _same_shape(eqn, index)
-    return UseKind(fast=fast, squared=_squared_bind(eqn, index) if fast else None)
-
-
-@register_use_rule(prims.reduce_sum_p)
-@register_use_rule(prims.cumsum_p)
-@register_use_rule(prims.conv_general_dilated_p)
-def _linear_rule(eqn, index):
-    del eqn, index
-    return UseKind(fast=False)
-
-
-def _dot_general_layout(eqn: JaxprEqn, index: int):
+def _dot_general_layout(eqn, index: int):
     """Axes of the other operand `x` (contracting, batch, free) and of the output
     (batch, x-free, w-free) for `dot_general` with the parameter in operand `index`."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -214,32 +112,27 @@ def _dot_general_layout(eqn: JaxprEqn, index: int):
     return (list(xb), list(xc), xf), (list(range(nb)), out_xf, out_wf), (k, c, t, f)
 
 
-@register_use_rule(prims.dot_general_p)
-def _dot_general_rule(eqn, index):
-    _, _, (k, c, t, f) = _dot_general_layout(eqn, index)
-
-    def norms(others, g):
-        # ||dW_b||^2 from x (B, K, C, T) and g (B, K, T, F): the outer-product form for
-        # T == 1, the Gram form when T^2 (C + F) <= T C F, else per-example (None).
-        if t != 1 and t * (c + f) > c * f:
-            return None
-        (xb, xc, xf), (ob, oxf, owf), _ = _dot_general_layout(eqn, index)
-        (x,) = others
-        batch = x.shape[0]
-        x = jnp.transpose(x, [0, *(1 + d for d in (*xb, *xc, *xf))])
-        x = x.reshape(batch, k, c, t)
-        g = jnp.transpose(g, [0, *(1 + d for d in (*ob, *oxf, *owf))])
-        g = g.reshape(batch, k, t, f)
-        if t == 1:
-            xx = jnp.sum(x * x, axis=(2, 3))
-            gg = jnp.sum(g * g, axis=(2, 3))
-            return jnp.sum(xx * gg, axis=1)
-        xx = jnp.einsum("bkct,bkcs->bkts", x, x)
-        gg = jnp.einsum("bktf,bksf->bkts", g, g)
-        return jnp.sum(xx * gg, axis=(1, 2, 3))
-
-    fast = t == 1
-    return UseKind(fast=fast, squared=_squared_bind(eqn, index) if fast else None, norms=norms)
+@register_rule(prim("dot_general"), recursion=SQUARED_GRADS)
+def _dot_general_rule(eqn, index, others, g):
+    """$\\|dW_b\\|^2$ from `x` `(B, K, C, T)` and `g` `(B, K, T, F)`: the outer-product
+    form for `T == 1`, the Gram form when $T^2 (C + F) \\le T C F$, else `None`
+    (per-example contraction)."""
+    (xb, xc, xf), (ob, oxf, owf), (k, c, t, f) = _dot_general_layout(eqn, index)
+    if t != 1 and t * (c + f) > c * f:
+        return None
+    (x,) = others
+    batch = x.shape[0]
+    x = jnp.transpose(x, [0, *(1 + d for d in (*xb, *xc, *xf))])
+    x = x.reshape(batch, k, c, t)
+    g = jnp.transpose(g, [0, *(1 + d for d in (*ob, *oxf, *owf))])
+    g = g.reshape(batch, k, t, f)
+    if t == 1:
+        xx = jnp.sum(x * x, axis=(2, 3))
+        gg = jnp.sum(g * g, axis=(2, 3))
+        return jnp.sum(xx * gg, axis=1)
+    xx = jnp.einsum("bkct,bkcs->bkts", x, x)
+    gg = jnp.einsum("bktf,bksf->bkts", g, g)
+    return jnp.sum(xx * gg, axis=(1, 2, 3))
 
 
 #
@@ -250,90 +143,158 @@ def _dot_general_rule(eqn, index):
 @dataclasses.dataclass(frozen=True)
 class _Origin:
     leaf: int
-    chain: tuple[JaxprEqn, ...]
+    chain: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class _Use:
+    """A use: `jaxpr` maps `(leaf, *others)` to the use's output through the chain, where
+    `others` are the use's operands at `positions` (not literals, each once)."""
+
     key: tuple[int, ...]
     leaf: int
-    chain: tuple[JaxprEqn, ...]
-    eqn: JaxprEqn
+    chain: tuple
+    eqn: Any
     index: int
     kind: UseKind
-
-    @property
-    def injective(self) -> bool:
-        return all(_STRUCTURAL_RULES[e.primitive](e) for e in self.chain)
-
-
-def _sub_jaxpr(eqn: JaxprEqn) -> tuple[Jaxpr, Sequence[Any]]:
-    sub = eqn.params[_INLINE[eqn.primitive]]
-    if isinstance(sub, ClosedJaxpr):
-        return sub.jaxpr, sub.consts
-    return sub, ()
+    jaxpr: Any = None
+    positions: tuple[int, ...] = ()
 
 
 def _is_float(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.floating)
 
 
-def _analyse(jaxpr: Jaxpr, in_origins, path, uses: list, fallback: set) -> list:
-    env = {v: o for v, o in zip(jaxpr.invars, in_origins) if o is not None}
+def _struct_of(aval) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
 
-    def read(v):
-        return None if isinstance(v, Literal) else env.get(v)
 
-    for i, eqn in enumerate(jaxpr.eqns):
-        key = (*path, i)
-        ins = [read(v) for v in eqn.invars]
-        derived = [j for j, o in enumerate(ins) if o is not None]
+def _linear_in(eqn, index: int) -> bool:
+    """Whether JAX can transpose `eqn` in operand `index`, the others held fixed: the
+    condition for the use's per-example gradients to be `J_b^T g_b`."""
+
+    def probe(*vals):
+        def f(w):
+            return bind_eqn(eqn, [w if j == index else v for j, v in enumerate(vals)])
+
+        w = vals[index]
+        return jax.linear_transpose(f, w)(f(w))
+
+    args = [read_value({}, v) if is_literal(v) else _struct_of(v.aval) for v in eqn.invars]
+    try:
+        jax.eval_shape(probe, *args)
+    except Exception:  # no transpose rule, or not linear there
+        return False
+    return True
+
+
+def _block(jaxpr, leaf_struct, others) -> Struct | None:
+    """The structure engine's block of `jaxpr`'s output with respect to its first input,
+    at the other inputs `others` (canonical), or `None` where it is zero."""
+    shape, dtype = tuple(leaf_struct.shape), leaf_struct.dtype
+    lin = Lin({0: Struct.identity(shape, dtype)}, shape, dtype)
+    (out,) = interpret(Context(in_shapes=[shape]), jaxpr, [], [lin, *others])
+    b = out.blocks.get(0) if isinstance(out, Lin) else None
+    return None if b is None else b.canonical()
+
+
+def _at_most_one_per_column(b: Struct | None) -> bool:
+    if b is None:
+        return False
+    if b.ell is None:  # an out axis that is not a delta spreads each entry along it
+        return all(
+            size == 1 or label in b.in_labels for label, size in zip(b.out_labels, b.out_shape)
+        )
+    _, columns, live = flat_entries(b)
+    return np.bincount(columns[live].ravel(), minlength=1).max() <= 1
+
+
+def _isometric(b: Struct | None) -> bool:
+    """Each out entry is $\\pm$ one in entry, and no two out entries the same one."""
+    if b is None or not is_known(b.val) or not np.all(np.abs(b.val) == 1):
+        return False
+    if b.ell is None:
+        tied_in = all(s == 1 or l in b.out_labels for l, s in zip(b.in_labels, b.in_shape))
+        return tied_in and _at_most_one_per_column(b)
+    _, columns, live = flat_entries(b)
+    return bool((live.sum(axis=0) == 1).all()) and _at_most_one_per_column(b)
+
+
+def _classify(origin: _Origin, eqn, index: int, leaf_struct) -> tuple[UseKind, Any, tuple]:
+    start = origin.chain[0].invars[0] if origin.chain else eqn.invars[index]
+    other_vars, positions = [], []
+    for j, v in enumerate(eqn.invars):
+        if j != index and not is_literal(v) and not any(v is u for u in other_vars):
+            other_vars.append(v)
+            positions.append(j)
+    jaxpr = new_jaxpr([start, *other_vars], [*origin.chain, eqn], [eqn.outvars[0]])
+    chain = new_jaxpr([start], list(origin.chain), [eqn.invars[index]])
+    found = []
+
+    def probe(*others):
+        b = _block(jaxpr, leaf_struct, others)
+        chain_block = _block(chain, leaf_struct, [])
+        template = None if b is None else b.with_val(_struct_of(b.val))
+        found.append((template, _at_most_one_per_column(b), _isometric(chain_block)))
+        return 0
+
+    jax.eval_shape(probe, *[_struct_of(v.aval) for v in other_vars])
+    ((template, fast, isometric),) = found
+    norms = lookup_rule(eqn.primitive, SQUARED_GRADS)
+    return UseKind(fast, template, isometric, norms), jaxpr, tuple(positions)
+
+
+def _analyse(jaxpr, in_origins, path, uses: list, fallback: set) -> list:
+    """Walk `jaxpr` from `in_origins` (an `_Origin` per parameter input, `None` for the
+    others), appending each use to `uses` and each parameter that takes the `vmap(grad)`
+    fallback to `fallback`; returns the origins of the outputs."""
+
+    def apply_eqn(eqn, vals, key):
+        derived = [j for j, o in enumerate(vals) if isinstance(o, _Origin)]
         if not derived:
-            continue
-        if eqn.primitive in _INLINE:
-            sub, _ = _sub_jaxpr(eqn)
-            outs = _analyse(sub, ins, key, uses, fallback)
-            env.update((v, o) for v, o in zip(eqn.outvars, outs) if o is not None)
-            continue
-        if len(derived) == 1 and all(_is_float(v.aval) for v in eqn.outvars):
+            return [None] * len(eqn.outvars)
+        if (
+            len(derived) == 1
+            and len(eqn.outvars) == 1
+            and _is_float(eqn.outvars[0].aval)
+            and not any(True for _ in subjaxprs(eqn))
+            and _linear_in(eqn, derived[0])
+        ):
             (j,) = derived
-            origin = ins[j]
-            if eqn.primitive in _STRUCTURAL_RULES and len(eqn.invars) == 1:
-                env[eqn.outvars[0]] = _Origin(origin.leaf, (*origin.chain, eqn))
-                continue
-            rule = _USE_RULES.get(eqn.primitive)
-            kind = None if rule is None else rule(eqn, j)
-            if kind is not None:
-                uses.append(_Use(key, origin.leaf, origin.chain, eqn, j, kind))
-                continue
-        fallback.update(ins[j].leaf for j in derived)
-    return [read(v) for v in jaxpr.outvars]
+            origin = vals[j]
+            if len(eqn.invars) == 1:
+                return [_Origin(origin.leaf, (*origin.chain, eqn))]
+            start = origin.chain[0].invars[0] if origin.chain else eqn.invars[j]
+            kind, use_jaxpr, positions = _classify(origin, eqn, j, _struct_of(start.aval))
+            uses.append(_Use(key, origin.leaf, origin.chain, eqn, j, kind, use_jaxpr, positions))
+            return [None]
+        fallback.update(vals[j].leaf for j in derived)
+        return [None] * len(eqn.outvars)
+
+    def inline(eqn, vals, key):
+        return any(isinstance(o, _Origin) for o in vals)
+
+    consts = [None] * len(jaxpr.constvars)
+    outs = eval_jaxpr(jaxpr, consts, in_origins, apply_eqn, inline=inline, path=path)
+    return [o if isinstance(o, _Origin) else None for o in outs]
 
 
-def _evaluate(jaxpr: Jaxpr, consts, args, path, ctx) -> list:
+def _evaluate(jaxpr, consts, args, path, ctx) -> list:
     """Evaluate `jaxpr`, adding `ctx.perts[key]` to the output of each use and
     recording its other operands in `ctx.records[key]`."""
-    env = {}
 
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
+    def apply_eqn(eqn, vals, key):
+        outs = bind_eqn(eqn, vals)
+        use = ctx.uses.get(key)
+        if use is not None:
+            ctx.records[key] = [vals[j] for j in use.positions]
+            outs = [outs[0] + ctx.perts[key]]
+        return outs
 
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for i, eqn in enumerate(jaxpr.eqns):
-        key = (*path, i)
-        invals = [read(v) for v in eqn.invars]
-        if eqn.primitive in _INLINE and key in ctx.prefixes:
-            sub, sub_consts = _sub_jaxpr(eqn)
-            outvals = _evaluate(sub, sub_consts, invals, key, ctx)
-        else:
-            outvals = _bind(eqn, *invals)
-            use = ctx.uses.get(key)
-            if use is not None:
-                ctx.records[key] = [x for j, x in enumerate(invals) if j != use.index]
-                outvals = [outvals[0] + ctx.perts[key]]
-        env.update(zip(eqn.outvars, outvals))
-    return [read(v) for v in jaxpr.outvars]
+    def inline(eqn, vals, key):
+        return key in ctx.prefixes
+
+    return eval_jaxpr(jaxpr, consts, args, apply_eqn, inline=inline, path=path)
 
 
 @dataclasses.dataclass
@@ -349,54 +310,81 @@ class _EvalContext:
 #
 
 
-def _apply_chain(chain, w, *, squared: bool):
-    for eqn in chain:
-        if squared and eqn.primitive is prims.neg_p:
-            continue
-        (w,) = _bind(eqn, w)
-    return w
-
-
-def _use_value(use: _Use, w, others):
-    return _bind(use.eqn, *_insert(others, use.index, w))[0]
-
-
 def _contribution(use: _Use, leaf_struct, others, g):
     """The gradient of one example's loss w.r.t. the leaf through this use."""
 
     def linear(leaf):
-        return _use_value(use, _apply_chain(use.chain, leaf, squared=False), others)
+        return eval_jaxpr(use.jaxpr, [], [leaf, *others], bind_eqn)[0]
 
     (out,) = jax.linear_transpose(linear, leaf_struct)(g)
     return out
 
 
+def _batched_vals(use: _Use, leaf_struct, others, n: int):
+    """The values of the use's block for every example, `(n, *block.val.shape)`."""
+
+    def one(*o):
+        b = _block(use.jaxpr, leaf_struct, list(o))
+        t = use.kind.block
+        assert b is not None and (b.val_labels, b.out_labels, b.in_labels) == (
+            t.val_labels,
+            t.out_labels,
+            t.in_labels,
+        )
+        return jnp.asarray(b.val)
+
+    return jax.vmap(one, axis_size=n)(*others)
+
+
+def _apply(b: Struct, w):
+    return apply_block(b, w[..., None])[..., 0]
+
+
 def _fast_sum_squares(use: _Use, leaf_struct, others, g):
-    """$\\sum_b (J_b^{\\circ 2})^\\top g_b^2$, mapped back through the chain."""
-    assert use.kind.squared is not None
-    w_aval = use.eqn.invars[use.index].aval
-    w_struct = jax.ShapeDtypeStruct(w_aval.shape, w_aval.dtype)
+    """$\\sum_b (J_b^{\\circ 2})^\\top g_b^2$ from the squared values of the use's block."""
+    t = use.kind.block
+    assert t is not None
+    n = g.shape[0]
+    v2 = jnp.square(_batched_vals(use, leaf_struct, others, n))
+    g2 = g * g
+    if t.ell is None:  # one contraction over the batch: square(x).T @ square(g)
+        batch = fresh_label()
+        sizes = {**t.sizes, batch: n}
+        val, labels = contract(
+            [(v2, (batch, *t.val_labels)), (g2, (batch, *t.out_labels))], t.in_labels, sizes
+        )
+        sq = expand(jnp.asarray(val), labels, t.in_labels, sizes)
+    else:
 
-    def squared_use(w):
-        return jax.vmap(lambda o: use.kind.squared(w, o))(others)
+        def squared_use(w):
+            return jax.vmap(lambda v: _apply(t.with_val(v), w.astype(v.dtype)))(v2)
 
-    (sq,) = jax.linear_transpose(squared_use, w_struct)(g * g)
-    (sq,) = jax.linear_transpose(
-        lambda leaf: _apply_chain(use.chain, leaf, squared=True), leaf_struct
-    )(sq)
-    return sq
+        (sq,) = jax.linear_transpose(lambda w: squared_use(w).astype(g2.dtype), leaf_struct)(g2)
+    return sq.astype(leaf_struct.dtype)
 
 
-def _fast_norms(use: _Use, others, g):
-    assert use.kind.squared is not None
-    w_aval = use.eqn.invars[use.index].aval
-    w_struct = jax.ShapeDtypeStruct(w_aval.shape, w_aval.dtype)
+def _row_sums(b: Struct):
+    """$\\sum_i J[o, i]$ for every out position `o` of a block."""
+    if b.ell is not None:
+        values, _, _ = flat_entries(b)
+        return jnp.sum(jnp.asarray(values), axis=1).reshape(b.out_shape)
+    sizes = b.sizes
+    val, labels = contract([(b.val, b.val_labels)], b.out_labels, sizes)
+    # In axes along which the block is constant (a sum) count once per entry.
+    factor = math.prod(
+        s
+        for l, s in zip(b.in_labels, b.in_shape)
+        if l not in b.val_labels and l not in b.out_labels
+    )
+    return expand(jnp.asarray(val) * factor, labels, b.out_labels, sizes)
 
-    def one(o, gb):
-        (sq,) = jax.linear_transpose(lambda w: use.kind.squared(w, o), w_struct)(gb * gb)
-        return jnp.sum(sq)
 
-    return jax.vmap(one)(others, g)
+def _fast_norms(use: _Use, leaf_struct, others, g):
+    """$\\|J_b^\\top g_b\\|^2 = \\sum_o g_{bo}^2 \\sum_i J_b[o, i]^2$ for a fast use."""
+    t = use.kind.block
+    assert t is not None
+    vals = _batched_vals(use, leaf_struct, others, g.shape[0])
+    return jax.vmap(lambda v, gb: jnp.sum(gb * gb * _row_sums(t.with_val(v * v))))(vals, g)
 
 
 def _masked_batch_sums(x: Array, mask: Array, powers: tuple[int, ...]) -> tuple[Array, ...]:
@@ -606,7 +594,7 @@ def _compute(
 
     def fast_squares(leaf: int) -> bool:
         leaf_uses = by_leaf.get(leaf, [])
-        return len(leaf_uses) == 1 and leaf_uses[0].injective and leaf_uses[0].kind.fast
+        return len(leaf_uses) == 1 and leaf_uses[0].kind.fast
 
     # The gradient of a leaf whose per-example gradients are formed below is their sum:
     # the backward pass differentiates only the others (no second weight contraction).
@@ -638,7 +626,7 @@ def _compute(
     structs = {i: jax.ShapeDtypeStruct(x.shape, x.dtype) for i, x in enumerate(diff_leaves)}
     per_example_leaves = []  # leaves whose per-example gradients are formed
     for leaf, leaf_uses in by_leaf.items():
-        single = len(leaf_uses) == 1 and leaf_uses[0].injective
+        single = len(leaf_uses) == 1
         u = leaf_uses[0]
         others, g = records[u.key], cotangents[u.key]
         need_sq, need_norms = want_sq, want_norms
@@ -646,9 +634,11 @@ def _compute(
             sq[leaf] = _fast_sum_squares(u, structs[leaf], others, g)
             need_sq = False
         if single and want_norms:
-            leaf_norms = None if u.kind.norms is None else u.kind.norms(others, g)
-            if leaf_norms is None and u.kind.fast:
-                leaf_norms = _fast_norms(u, others, g)
+            leaf_norms = None
+            if u.kind.fast:
+                leaf_norms = _fast_norms(u, structs[leaf], others, g)
+            elif u.kind.norms is not None and u.kind.isometric:
+                leaf_norms = u.kind.norms(u.eqn, u.index, others, g)
             if leaf_norms is not None:
                 norms = norms + leaf_norms
                 need_norms = False
@@ -758,8 +748,8 @@ def sum_squared_grads(
     - `*batch`: pytrees whose array leaves all share a leading batch axis; example
         `b` is `jax.tree.map(lambda x: x[b], batch)`.
     - `chunk_size`: examples per chunk where per-example gradients must be formed
-        (parameters used several times, with shared axes, or consumed by a primitive
-        without a rule). Default: chosen to keep about 64 MiB of them at once.
+        (parameters used several times, with shared axes, or consumed nonlinearly).
+        Default: chosen to keep about 64 MiB of them at once.
 
     **Returns:**
 
@@ -789,12 +779,13 @@ def value_grad_and_sum_squared_grads(
     from one backward pass (what an adaptive optimiser needs).
 
     The parameters' uses are found in the jaxpr of `loss_fn` for one example.
-    A parameter used once, through a primitive where each parameter entry reaches at
-    most one output entry (dense layers without shared axes, biases, elementwise
-    scales), takes $\\sum_b (J_b^{\\circ 2})^\\top g_b^2$; one used several times, with
-    shared axes (sequence positions, convolutions) or through a broadcast forms its
-    per-example gradients from the recorded operands and cotangents, in chunks; one
-    consumed by a primitive without a rule (e.g. `sort`) takes `vmap(grad)` for that
+    A parameter used once, where the structure engine finds that each parameter entry
+    reaches at most one output entry (dense layers without shared axes, biases,
+    elementwise scales, slices and reshapes of them), takes
+    $\\sum_b (J_b^{\\circ 2})^\\top g_b^2$; one used several times, with shared axes
+    (sequence positions, convolutions) or through a broadcast forms its per-example
+    gradients from the recorded operands and cotangents, in chunks; one consumed
+    nonlinearly before any linear use (e.g. by `sort`) takes `vmap(grad)` for that
     parameter only, in chunks. All paths are exact.
 
     **Arguments:**
@@ -808,8 +799,8 @@ def value_grad_and_sum_squared_grads(
     - `*batch`: pytrees whose array leaves all share a leading batch axis; example
         `b` is `jax.tree.map(lambda x: x[b], batch)`.
     - `chunk_size`: examples per chunk where per-example gradients must be formed
-        (parameters used several times, with shared axes, or consumed by a primitive
-        without a rule). Default: chosen to keep about 64 MiB of them at once.
+        (parameters used several times, with shared axes, or consumed nonlinearly).
+        Default: chosen to keep about 64 MiB of them at once.
 
     **Returns:**
 
@@ -855,8 +846,8 @@ def per_example_grad_norms(
     - `*batch`: pytrees whose array leaves all share a leading batch axis; example
         `b` is `jax.tree.map(lambda x: x[b], batch)`.
     - `chunk_size`: examples per chunk where per-example gradients must be formed
-        (parameters used several times, with shared axes, or consumed by a primitive
-        without a rule). Default: chosen to keep about 64 MiB of them at once.
+        (parameters used several times, with shared axes, or consumed nonlinearly).
+        Default: chosen to keep about 64 MiB of them at once.
 
     **Returns:**
 

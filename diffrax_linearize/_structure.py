@@ -529,18 +529,24 @@ class Struct:
 
     def diagonal(self):
         """The diagonal `J[o, o]` of a block whose out and in shapes are equal, as an array
-        of that shape. Free for a block that is a delta along every axis (identity, scaled
-        identity, diagonal); read off the pattern for an `Ell`; otherwise read off the
-        dense block."""
+        of that shape, in O(stored numbers): free for a block that is a delta along every
+        axis (identity, scaled identity, diagonal); the diagonals of `val` along the axes
+        that are not deltas (block-diagonal blocks); read off the pattern for an `Ell`.
+        Only a block whose deltas pair different axes (a transpose) is made dense."""
         assert self.out_shape == self.in_shape
         c = self.canonical()
         if c.ell is not None:
             from ._sparsity import ell_diagonal
 
             return ell_diagonal(c)
-        if all(c.in_labels[k] == c.out_labels[k] for k in range(len(c.out_shape))):
-            val = jnp.asarray(c.val)
-            return jnp.broadcast_to(place(val, c.val_labels, c.out_labels), c.out_shape)
+        if all(k == l for k, l in c.ties.items()):
+            # In axis `l` is relabelled as out axis `l`: einsum reads `val`'s diagonals.
+            rename = {label: c.out_labels[l] for l, label in enumerate(c.in_labels)}
+            labels = tuple(rename.get(label, label) for label in c.val_labels)
+            sizes = c.sizes
+            val, got = contract([(c.val, labels)], c.out_labels, sizes)
+            diag = expand(jnp.asarray(val, c.dtype), got, c.out_labels, sizes)
+            return jnp.asarray(diag, c.dtype)
         n = math.prod(self.out_shape)
         dense = self.to_dense().reshape(n, n)
         return jnp.diagonal(dense).reshape(self.out_shape)

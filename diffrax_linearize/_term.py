@@ -17,6 +17,7 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
 from ._custom_types import MaterialiseMode
+from ._diagonal import jacobian_diagonal
 from ._materialise import materialise, materialise_operator, structured_blocks
 from ._structure import contract, place
 
@@ -315,12 +316,8 @@ def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]
         def sigma(y):
             return term.prod(term.vf(t, y, args), ones)
 
-        blocks, _, _ = structured_blocks(sigma, y)
-        (block,) = blocks[0]
         s = sigma(y)
-        if block is None:
-            return jnp.zeros_like(s)
-        return s * block.diagonal().astype(s.dtype)
+        return s * jacobian_diagonal(sigma, y).astype(s.dtype)
     matrix = jtu.tree_leaves(materialise(term, t, y, args))
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     y_leaves, y_tree = jtu.tree_flatten(y)

@@ -924,8 +924,7 @@ def test_closed_over_array_not_a_constant():
 
 def _linear_primitive():
     """A linear primitive (doubling) with no structure rule: it takes the dense fallback."""
-    from jax.extend.core import Primitive
-    from jax.interpreters import ad, batching, mlir
+    from diffrax_linearize._compat import ad, batching, mlir, Primitive
 
     p = Primitive("double_without_rule")
     p.def_impl(lambda x: 2 * x)

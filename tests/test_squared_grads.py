@@ -9,7 +9,7 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 from diffrax_linearize import _squared_grads
-from jax.extend.core import subjaxprs
+from diffrax_linearize._compat import subjaxprs
 
 
 jax.config.update("jax_enable_x64", True)
