@@ -227,8 +227,18 @@ def _classify(origin: _Origin, eqn, index: int, leaf_struct) -> tuple[UseKind, A
         if j != index and not is_literal(v) and not any(v is u for u in other_vars):
             other_vars.append(v)
             positions.append(j)
-    jaxpr = new_jaxpr([start, *other_vars], [*origin.chain, eqn], [eqn.outvars[0]])
-    chain = new_jaxpr([start], list(origin.chain), [eqn.invars[index]])
+    # The chain may cross into a call's sub-program (`jnp.where` is a `jit`), where the
+    # same value has another variable: relink each equation to its predecessor's output.
+    links, prev = [], start
+    for link in origin.chain:
+        link = link.replace(invars=[prev])
+        links.append(link)
+        prev = link.outvars[0]
+    invars = list(eqn.invars)
+    invars[index] = prev
+    use = eqn.replace(invars=invars)
+    jaxpr = new_jaxpr([start, *other_vars], [*links, use], [use.outvars[0]])
+    chain = new_jaxpr([start], links, [prev])
     found = []
 
     def probe(*others):

@@ -314,6 +314,26 @@ def _static_leaves_case():
     return loss, params, _normal(k[2], (B, 3)), _normal(k[3], (B, 2))
 
 
+def _structured_uses_case():
+    """Parameters through uses the structure engine sees through (a `where`, slices of a
+    parameter summed, a stack): each takes the structured path, not `vmap(grad)`."""
+    k = _keys(5, seed=12)
+    params = {
+        "w": _normal(k[0], (3, 6)),
+        "gate": _normal(k[1], (6,)),
+        "band": _normal(k[2], (8,)),
+    }
+
+    def loss(p, x, y):
+        h = x @ p["w"]
+        h = jnp.where(h > 0, h * p["gate"], -p["gate"])  # select_n
+        h = h + p["band"][1:7] + p["band"][:6] - 2 * p["band"][2:8]  # slices, summed
+        h = jnp.stack([h[:3], h[3:] * p["gate"][:3]]).reshape(-1)
+        return jnp.sum((jnp.tanh(h) - y) ** 2)
+
+    return loss, params, _normal(k[3], (B, 3)), _normal(k[4], (B, 6))
+
+
 CASES = {
     "mlp": _mlp_case,
     "classifier": _classifier_case,
@@ -328,6 +348,7 @@ CASES = {
     "unknown_primitive": _unknown_primitive_case,
     "structural": _structural_case,
     "static_leaves": _static_leaves_case,
+    "structured_uses": _structured_uses_case,
 }
 
 
@@ -388,6 +409,26 @@ def test_use_classification():
     assert {names[i] for i in fallback} == {"c", "s"}
     (use,) = [u for u in uses if names[u.leaf] == "w"]
     assert use.eqn.primitive.name == "dot_general" and use.kind.fast
+
+
+def test_structured_uses_take_no_fallback():
+    # Their blocks from the structure engine hold at most one entry per column, so no
+    # parameter needs vmap(grad).
+    loss, params, x, y = _structured_uses_case()
+    leaves = jtu.tree_leaves(params)
+    closed = jax.make_jaxpr(
+        lambda p, x, y: loss(jtu.tree_unflatten(jtu.tree_structure(params), p), x, y)
+    )(leaves, x[0], y[0])
+    uses, fallback = [], set()
+    _squared_grads._analyse(
+        closed.jaxpr,
+        [_squared_grads._Origin(i, ()) for i in range(3)] + [None, None],
+        (),
+        uses,
+        fallback,
+    )
+    assert fallback == set()
+    assert {u.leaf for u in uses} == {0, 1, 2}
 
 
 _BATCH_SUMS = [_squared_grads._sums_by_example, _squared_grads._sums_at_once]
