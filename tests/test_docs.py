@@ -185,3 +185,8 @@ def test_readme_opens_with_the_two_commands():
     assert lines[:2] == ["# diffrax_linearize", ""] and lines[2] == "```bash"
     assert lines[3].startswith("make demo") and lines[4].startswith("make test")
     assert "## Install" in (ROOT / "README.md").read_text()
+
+
+def test_readme_counts_the_rules_there_are():
+    (count,) = re.findall(r"(\d+) primitive rules", (ROOT / "README.md").read_text())
+    assert int(count) == len(internal.registered_primitives())
