@@ -62,6 +62,12 @@ def test_newton_solves_the_same_problem():
     assert_tree_allclose(ours.ys, reference.ys, rtol=1e-4, atol=1e-9)
 
 
+@pytest.mark.xfail(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12),
+    reason="Diffrax 0.7.2's KenCarp4 runs out of steps on this problem on jax 0.12, with "
+    "Diffrax's own default root finder as with ours",
+    strict=False,
+)
 def test_kencarp_imex():
     """An IMEX method: the stiff reaction implicit, a mild linear term explicit."""
     explicit = diffrax.ODETerm(lambda t, y, args: -0.01 * y)
