@@ -449,9 +449,12 @@ def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLine
         lower, upper = int(max(0, -off.min())), int(max(0, off.max()))
         width = max(lower, upper)
         if width <= 4 * math.isqrt(n) and width < n // 2:
-            offsets = tuple(range(-lower, upper + 1))
+            # Only the diagonals the pattern uses: a 2D stencil on a grid of rows of
+            # length r has five, at offsets 0, +-1 and +-r, not the 2r + 1 of its band.
+            offsets = tuple(int(d) for d in np.unique(off))
+            index = np.searchsorted(np.asarray(offsets), off)
             diagonals = jnp.zeros((len(offsets), n), values.dtype)
-            diagonals = diagonals.at[off + lower, rows].add(picked)
+            diagonals = diagonals.at[index, rows].add(picked)
             if (
                 set(offsets) <= {-1, 0, 1}
                 and len(input_structure.shape) == 1

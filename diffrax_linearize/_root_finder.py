@@ -187,7 +187,9 @@ class VeryChord(optx.AbstractRootFinder):
     def step(self, fn, y, args, options, state, tags):
         fx, aux = fn(y, args)
         jac, linear_state = state.linear_state
-        linear_state = lax.stop_gradient(linear_state)
+        # Array leaves only: a Krylov solver's state holds its preconditioner as a function.
+        dynamic, static = eqx.partition(linear_state, eqx.is_array)
+        linear_state = eqx.combine(lax.stop_gradient(dynamic), static)
         new_y, new_state = _update(self, y, fx, jac, linear_state, state)
         return new_y, new_state, aux
 

@@ -311,7 +311,7 @@ def test_srk_ode_gradient():
     # dy = -y/2 dt with zero diffusion: d y(1) / d y0 = exp(-1/2). Diffrax's own reversal
     # gave exp(+1/2) with `diffrax.SPaRK`, which takes the drift's control to be t1 - t0.
     bm = diffrax.VirtualBrownianTree(
-        0.0, T1, 1e-5, (1,), key=jax.random.key(0), levy_area=diffrax.SpaceTimeLevyArea
+        0.0, T1, 2**-6, (1,), key=jax.random.key(0), levy_area=diffrax.SpaceTimeLevyArea
     )
 
     def grad(adjoint, solver):

@@ -108,6 +108,43 @@ def test_jacobian_is_structured():
     np.testing.assert_allclose(jac.as_matrix(), dense, rtol=1e-12)
 
 
+def test_krylov_path(monkeypatch):
+    """A coupled periodic stencil with every direct factorisation turned off: the stage
+    solves take GMRES with the Jacobi preconditioner (whose state holds a function, not
+    only arrays), and the solution is Diffrax's default's."""
+    from diffrax_linearize import _linear_solver
+
+    monkeypatch.setattr(_linear_solver, "_DIRECT_FLOPS", 0)
+    n = 6
+
+    def field(t, y, args):
+        u, v = y.reshape(2, n, n)
+        lap = lambda w: sum(jnp.roll(w, s, a) for s in (1, -1) for a in (0, 1)) - 4 * w
+        du = 1 + u**2 * v - 4.4 * u + 0.1 * n**2 * lap(u)
+        dv = 3.4 * u - u**2 * v + 0.1 * n**2 * lap(v)
+        return jnp.concatenate([du.ravel(), dv.ravel()])
+
+    grid = jnp.linspace(0, 1, n * n).reshape(n, n)
+    y0 = jnp.concatenate([(1 + jnp.sin(6 * grid)).ravel(), (3 + 0 * grid).ravel()])
+
+    def solve(rf):
+        return diffrax.diffeqsolve(
+            diffrax.ODETerm(field),
+            diffrax.Kvaerno3(root_finder=rf),
+            0.0,
+            0.5,
+            None,
+            y0,
+            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
+        )
+
+    op = dl.materialise_operator(lambda y: field(0.0, y, None), y0)
+    assert isinstance(op, dl.SparseLinearOperator)
+    ours = solve(dl.VeryChord())
+    default = solve(diffrax.with_stepsize_controller_tols(diffrax.VeryChord)())
+    assert_tree_allclose(ours.ys, default.ys, rtol=1e-5, atol=1e-7)
+
+
 def test_fixed_steps_need_tolerances():
     with pytest.raises(ValueError, match="tolerances for the implicit solver"):
         diffrax.diffeqsolve(
