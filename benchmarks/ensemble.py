@@ -262,7 +262,7 @@ def run(quick: bool = False, gpu: bool = False) -> list[dict]:
     if not quick:
         from benchmarks import report
 
-        report.main()
+        report.main([])
     return rows
 
 
