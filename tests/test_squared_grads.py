@@ -391,8 +391,10 @@ def test_dense_layer_takes_the_fast_path():
     assert "scan" in set(shapes(jaxpr.jaxpr))
 
 
-def test_use_classification():
-    loss, params, x, y = _unknown_primitive_case()
+def _analysed(case):
+    """The uses and the fallback leaves that `_analyse` finds for one example of `case`
+    (whose parameters are three leaves)."""
+    loss, params, x, y = case()
     leaves = jtu.tree_leaves(params)
     closed = jax.make_jaxpr(
         lambda p, x, y: loss(jtu.tree_unflatten(jtu.tree_structure(params), p), x, y)
@@ -405,6 +407,11 @@ def test_use_classification():
         uses,
         fallback,
     )
+    return params, uses, fallback
+
+
+def test_use_classification():
+    params, uses, fallback = _analysed(_unknown_primitive_case)
     names = sorted(params)  # the order of `jtu.tree_leaves`
     assert {names[i] for i in fallback} == {"c", "s"}
     (use,) = [u for u in uses if names[u.leaf] == "w"]
@@ -414,19 +421,7 @@ def test_use_classification():
 def test_structured_uses_take_no_fallback():
     # Their blocks from the structure engine hold at most one entry per column, so no
     # parameter needs vmap(grad).
-    loss, params, x, y = _structured_uses_case()
-    leaves = jtu.tree_leaves(params)
-    closed = jax.make_jaxpr(
-        lambda p, x, y: loss(jtu.tree_unflatten(jtu.tree_structure(params), p), x, y)
-    )(leaves, x[0], y[0])
-    uses, fallback = [], set()
-    _squared_grads._analyse(
-        closed.jaxpr,
-        [_squared_grads._Origin(i, ()) for i in range(3)] + [None, None],
-        (),
-        uses,
-        fallback,
-    )
+    _, uses, fallback = _analysed(_structured_uses_case)
     assert fallback == set()
     assert {u.leaf for u in uses} == {0, 1, 2}
 
