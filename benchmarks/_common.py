@@ -40,22 +40,41 @@ def time_compiled(
     machine, less disturbed by other processes than the wall-clock `run_s`. Repeats until
     both `repeats` runs and `min_time` seconds are reached, stopping early past `max_time`.
     """
+    return time_compiled_output(
+        fn, *args, repeats=repeats, min_time=min_time, max_time=max_time, warmup=True
+    )[1]
+
+
+def time_compiled_output(
+    fn: Callable,
+    *args,
+    repeats: int = 3,
+    min_time: float = 0.0,
+    max_time: float = 30.0,
+    warmup: bool = False,
+) -> tuple[Any, dict[str, float]]:
+    """As [`time_compiled`][], also returning the output of the first timed run. Without a
+    warm-up by default: for solves of seconds to minutes (the stiff benchmark), where a
+    discarded run would double the cost and the first run is not slower."""
     jitted = jax.jit(fn)
     t0 = time.perf_counter()
     compiled = jitted.lower(*args).compile()
     compile_s = time.perf_counter() - t0
-    block(compiled(*args))  # warm-up
-    times, cpu_times = [], []
+    if warmup:
+        block(compiled(*args))
+    times, cpu_times, out = [], [], None
     start = time.perf_counter()
     while True:
         t0, c0 = time.perf_counter(), _cpu_time()
-        block(compiled(*args))
+        result = block(compiled(*args))
         times.append(time.perf_counter() - t0)
         cpu_times.append(_cpu_time() - c0)
+        if out is None:
+            out = result
         elapsed = time.perf_counter() - start
         if (len(times) >= repeats and elapsed >= min_time) or elapsed > max_time:
             break
-    return {
+    return out, {
         "compile_s": compile_s,
         "run_s": statistics.median(times),
         "run_min_s": min(times),

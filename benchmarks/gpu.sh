@@ -28,12 +28,12 @@ for name in step-cost adjoint squared-grads; do
   run -m benchmarks "$name" $flag
 done
 # With the seed report's own case: jit(jacfwd(A @ x)) at N = 10,000 (compile and run).
-run benchmarks/materialise.py $flag --seed-n 10000
+run -m benchmarks.materialise $flag --seed-n 10000
 # Quick sizes (the JSON says "quick": true): the full ones do not fit the lease.
 run -m benchmarks.structure --quick
 run -m benchmarks.stiff --quick
 # m = 50 takes too long for the lease; m in {2, 10} covers the acceptance's m = 10.
-run benchmarks/work_precision.py --ms 2 10 $flag
+run -m benchmarks.work_precision --ms 2 10 $flag
 # One GPU: throughput on one device (the CPU table pins processes to cores; see docs/ensembles.md).
 run -m benchmarks.ensemble --gpu $flag
 if [ -n "${OUT:-}" ]; then

@@ -14,7 +14,7 @@ Problems (float32, 2-core CPU in the issue's acceptance):
   respect to the input and to the parameters: ours against `jax.jacfwd`, where structure
   may not pay (ours must not be slower beyond timing noise).
 
-    python benchmarks/materialise.py [--quick] [--seed-n N]
+    python -m benchmarks.materialise [--quick] [--seed-n N]
 """
 
 import argparse
@@ -33,17 +33,7 @@ matplotlib.use("Agg")
 import diffrax_linearize as dl
 import matplotlib.pyplot as plt
 
-
-try:
-    from benchmarks._common import block, markdown_table, plot_path, time_compiled, write_results
-except ImportError:  # run as a script from inside benchmarks/
-    from _common import (  # pyright: ignore[reportMissingImports]
-        block,
-        markdown_table,
-        plot_path,
-        time_compiled,
-        write_results,
-    )
+from benchmarks._common import block, markdown_table, plot_path, time_compiled, write_results
 
 
 def _matrix(n, seed):

@@ -5,7 +5,7 @@ Models: an MLP 784-512-512-10 (float32) and a transformer block (sequence 64,
 width 128, 4 heads) whose weights are shared over positions. Reports run time,
 compile time and XLA scratch (`memory_analysis().temp_size_in_bytes`).
 
-    python benchmarks/squared_grads.py [--quick]
+    python -m benchmarks.squared_grads [--quick]
 """
 
 import argparse
@@ -20,23 +20,13 @@ matplotlib.use("Agg")
 import diffrax_linearize as dl
 import matplotlib.pyplot as plt
 
-
-try:
-    from benchmarks._common import (
-        markdown_table,
-        memory_scratch_bytes,
-        plot_path,
-        time_compiled,
-        write_results,
-    )
-except ImportError:  # run as a script from inside benchmarks/
-    from _common import (  # pyright: ignore[reportMissingImports]
-        markdown_table,
-        memory_scratch_bytes,
-        plot_path,
-        time_compiled,
-        write_results,
-    )
+from benchmarks._common import (
+    markdown_table,
+    memory_scratch_bytes,
+    plot_path,
+    time_compiled,
+    write_results,
+)
 
 
 NAME = "squared_grads"

@@ -21,7 +21,6 @@ explicit solvers on a stiff SPDE. Float64, jitted, one run on one machine.
 
 import argparse
 import math
-import time
 
 import diffrax
 import jax
@@ -36,33 +35,8 @@ matplotlib.use("Agg")
 import diffrax_linearize as dl
 import matplotlib.pyplot as plt
 
-
-try:
-    from benchmarks._common import block, markdown_table, plot_path, write_results
-except ImportError:  # run as a script from inside benchmarks/
-    from _common import (  # pyright: ignore[reportMissingImports]
-        block,
-        markdown_table,
-        plot_path,
-        write_results,
-    )
-
-
-def _timed(fn, *args, repeats=3, max_time=60.0):
-    """Compile and run `jax.jit(fn)`; the run time is the median of up to `repeats` runs
-    (one if a run is slow)."""
-    jitted = jax.jit(fn)
-    t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    compile_s = time.perf_counter() - t0
-    times, out = [], None
-    while len(times) < repeats:
-        t0 = time.perf_counter()
-        out = block(compiled(*args))
-        times.append(time.perf_counter() - t0)
-        if sum(times) > max_time / 2:
-            break
-    return out, {"compile_s": compile_s, "run_s": float(np.median(times)), "repeats": len(times)}
+from benchmarks._common import markdown_table, plot_path, time_compiled_output, write_results
+from benchmarks.structure import brusselator_2d, robertson_stack
 
 
 def _stats(sol):
@@ -80,11 +54,7 @@ def _rel(a, b):
 
 
 def robertson(t, y, args):
-    y = y.reshape(-1, 3)
-    y1, y2, y3 = y[:, 0], y[:, 1], y[:, 2]
-    d1 = -0.04 * y1 + 1e4 * y2 * y3
-    d3 = 3e7 * y2**2
-    return jnp.stack([d1, -d1 - d3, d3], axis=1).reshape(-1)
+    return robertson_stack(y)  # N Robertson systems, written with y[:, k] and jnp.stack
 
 
 _CONTROLLER = diffrax.PIDController(rtol=1e-6, atol=1e-8)
@@ -121,13 +91,15 @@ def robertson_rows(sizes, default_max):
     for N in sizes:
         y0 = _robertson_y0(N)
         base = {"problem": "robertson", "N": N, "unknowns": 3 * N}
-        sol, t = _timed(lambda y0: _solve_rob(dl.VeryChord(), y0), y0)
+        sol, t = time_compiled_output(lambda y0: _solve_rob(dl.VeryChord(), y0), y0)
         ours = sol.ys[-1]
         rows.append({**base, "method": "ours", **t, **_stats(sol)})
-        vm, t = _timed(_solve_rob_vmap, y0)
+        vm, t = time_compiled_output(_solve_rob_vmap, y0)
         rows.append({**base, "method": "vmap", **t, "max_rel_diff_vs_ours": _rel(vm, ours)})
         if N <= default_max:
-            sol, t = _timed(lambda y0: _solve_rob(None, y0), y0, repeats=1 if N > 100 else 3)
+            sol, t = time_compiled_output(
+                lambda y0: _solve_rob(None, y0), y0, repeats=1 if N > 100 else 3
+            )
             rows.append(
                 {
                     **base,
@@ -153,18 +125,7 @@ def robertson_rows(sizes, default_max):
 
 
 def brusselator(t, y, args):
-    n = math.isqrt(y.shape[0] // 2)
-    u, v = y.reshape(2, n, n)
-    alpha = 0.02 * (n - 1) ** 2
-
-    def lap(w):
-        return (
-            jnp.roll(w, 1, 0) + jnp.roll(w, -1, 0) + jnp.roll(w, 1, 1) + jnp.roll(w, -1, 1) - 4 * w
-        )
-
-    du = 1 + u**2 * v - 4.4 * u + alpha * lap(u)
-    dv = 3.4 * u - u**2 * v + alpha * lap(v)
-    return jnp.stack([du, dv]).reshape(-1)
+    return brusselator_2d(y)  # periodic five-point Laplacian, written with jnp.roll
 
 
 def _bruss_y0(n):
@@ -194,11 +155,13 @@ def brusselator_rows(sizes, default_max):
     for n in sizes:
         y0 = _bruss_y0(n)
         base = {"problem": "brusselator_2d", "N": n, "unknowns": 2 * n * n}
-        sol, t = _timed(lambda y0: _solve_bruss(dl.VeryChord(), y0), y0)
+        sol, t = time_compiled_output(lambda y0: _solve_bruss(dl.VeryChord(), y0), y0)
         ours = sol.ys[-1]
         rows.append({**base, "method": "ours", **t, **_stats(sol)})
         if n <= default_max:
-            sol, t = _timed(lambda y0: _solve_bruss(None, y0), y0, repeats=1 if n >= 32 else 3)
+            sol, t = time_compiled_output(
+                lambda y0: _solve_bruss(None, y0), y0, repeats=1 if n >= 32 else 3
+            )
             rows.append(
                 {
                     **base,
@@ -258,7 +221,9 @@ def allen_cahn_rows(n, n_paths, implicit_steps, explicit_factors):
     _, stiffness = allen_cahn_terms(None, n)
     stable = math.ceil(2 * stiffness)  # explicit steps need dt < 2 / |lambda_max| ~ dx^2/(2 eps)
     ref_steps = 4 * max(stable, max(implicit_steps))
-    reference, _ = _timed(path_solve(dl.ImplicitItoMilstein(theta=0.5), ref_steps), keys, repeats=1)
+    reference, _ = time_compiled_output(
+        path_solve(dl.ImplicitItoMilstein(theta=0.5), ref_steps), keys, repeats=1
+    )
     for name, solver, steps_list in [
         ("ImplicitItoMilstein (ours)", dl.ImplicitItoMilstein(), implicit_steps),
         (
@@ -269,7 +234,7 @@ def allen_cahn_rows(n, n_paths, implicit_steps, explicit_factors):
         ("ItoMilstein (ours)", dl.ItoMilstein(), [int(f * stable) for f in explicit_factors]),
     ]:
         for steps in steps_list:
-            ys, t = _timed(path_solve(solver, steps), keys, repeats=1)
+            ys, t = time_compiled_output(path_solve(solver, steps), keys, repeats=1)
             err = float(jnp.sqrt(jnp.mean((ys - reference) ** 2)))
             rows.append(
                 {

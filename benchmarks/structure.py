@@ -38,16 +38,7 @@ matplotlib.use("Agg")
 import diffrax_linearize as dl
 import matplotlib.pyplot as plt
 
-
-try:
-    from benchmarks._common import markdown_table, plot_path, time_compiled, write_results
-except ImportError:  # run as a script from inside benchmarks/
-    from _common import (  # pyright: ignore[reportMissingImports]
-        markdown_table,
-        plot_path,
-        time_compiled,
-        write_results,
-    )
+from benchmarks._common import markdown_table, plot_path, time_compiled, write_results
 
 
 # ---- the corpus -----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ Compile time is excluded and reported separately. The cost of each method at RMS
 1e-3 is interpolated in log-log space (extrapolated along the fitted line when the
 measured range does not reach 1e-3, and flagged).
 
-Run: `python benchmarks/work_precision.py [--quick]`.
+Run: `python -m benchmarks.work_precision [--quick]`.
 """
 
 import argparse
@@ -37,11 +37,7 @@ jax.config.update("jax_enable_x64", True)
 
 import diffrax_linearize as dl  # noqa: E402
 
-
-try:
-    from benchmarks._common import block, markdown_table, plot_path, write_results
-except ImportError:  # run as a script from inside benchmarks/
-    from _common import block, markdown_table, plot_path, write_results  # pyright: ignore
+from benchmarks._common import block, markdown_table, plot_path, write_results
 
 
 D = 8

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from diffrax_linearize._interpreter import subjaxprs  # which sub-jaxprs an equation holds
 
 
 def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8, check_dtype=True) -> bool:
@@ -64,15 +65,6 @@ def assert_equal_to_rounding(actual, expected, *, ulps=16):
 # ---- counting matrix-matrix products ----------------------------------------------------
 
 
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            if hasattr(item, "eqns"):
-                yield item
-            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-                yield item.jaxpr
-
-
 def _is_var(v) -> bool:
     # Literals have a `val`; variables do not.
     return not hasattr(v, "val")
@@ -101,7 +93,7 @@ def _count_live(jaxpr, live_out: list[bool]) -> tuple[int, list[bool]]:
         if not any(out_live) and not eqn.effects:
             continue
         name = eqn.primitive.name
-        subs = list(_subjaxprs(eqn))
+        subs = list(subjaxprs(eqn))
         if name in _CALLS and len(subs) == 1:
             c, in_live = _count_live(subs[0], out_live)
             count += c

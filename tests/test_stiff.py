@@ -12,15 +12,12 @@ import lineax as lx
 import numpy as np
 import optimistix as optx
 import pytest
+from benchmarks.structure import robertson_stack
 from helpers import assert_tree_allclose
 
 
 def robertson(t, y, args):
-    y = y.reshape(-1, 3)
-    y1, y2, y3 = y[:, 0], y[:, 1], y[:, 2]
-    d1 = -0.04 * y1 + 1e4 * y2 * y3
-    d3 = 3e7 * y2**2
-    return jnp.stack([d1, -d1 - d3, d3], axis=1).reshape(-1)
+    return robertson_stack(y)  # the structure benchmark's N Robertson systems
 
 
 def _robertson_solve(solver, N=4, t1=10.0):
@@ -36,6 +33,23 @@ def _robertson_solve(solver, N=4, t1=10.0):
         stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
         max_steps=100_000,
     )
+
+
+def _ours_and_default(terms, solver_cls, y0, t1):
+    """The same adaptive solve with our `VeryChord` and with Diffrax's default root finder."""
+
+    def solve(root_finder):
+        return diffrax.diffeqsolve(
+            terms,
+            solver_cls(root_finder=root_finder),
+            0.0,
+            t1,
+            None,
+            y0,
+            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
+        )
+
+    return solve(dl.VeryChord()), solve(diffrax.with_stepsize_controller_tols(diffrax.VeryChord)())
 
 
 @pytest.mark.parametrize(
@@ -75,19 +89,7 @@ def test_kencarp_imex():
     terms = diffrax.MultiTerm(explicit, implicit)
     y0 = jnp.tile(jnp.array([1.0, 0.0, 0.0]), 3)
 
-    def solve(rf):
-        return diffrax.diffeqsolve(
-            terms,
-            diffrax.KenCarp4(root_finder=rf),
-            0.0,
-            1.0,
-            None,
-            y0,
-            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
-        )
-
-    default = solve(diffrax.with_stepsize_controller_tols(diffrax.VeryChord)())
-    ours = solve(dl.VeryChord())
+    ours, default = _ours_and_default(terms, diffrax.KenCarp4, y0, t1=1.0)
     assert_tree_allclose(ours.ys, default.ys, rtol=1e-8, atol=1e-12)
 
 
@@ -127,21 +129,9 @@ def test_krylov_path(monkeypatch):
     grid = jnp.linspace(0, 1, n * n).reshape(n, n)
     y0 = jnp.concatenate([(1 + jnp.sin(6 * grid)).ravel(), (3 + 0 * grid).ravel()])
 
-    def solve(rf):
-        return diffrax.diffeqsolve(
-            diffrax.ODETerm(field),
-            diffrax.Kvaerno3(root_finder=rf),
-            0.0,
-            0.5,
-            None,
-            y0,
-            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
-        )
-
     op = dl.materialise_operator(lambda y: field(0.0, y, None), y0)
     assert isinstance(op, dl.SparseLinearOperator)
-    ours = solve(dl.VeryChord())
-    default = solve(diffrax.with_stepsize_controller_tols(diffrax.VeryChord)())
+    ours, default = _ours_and_default(diffrax.ODETerm(field), diffrax.Kvaerno3, y0, t1=0.5)
     assert_tree_allclose(ours.ys, default.ys, rtol=1e-5, atol=1e-7)
 
 
