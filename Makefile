@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-latest test-diffrax bench docs chromium check-wheel lint clean
+.PHONY: demo test test-slow test-latest test-diffrax bench docs chromium check-wheel lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The suite runs on two pytest-xdist workers (CI's two cores; TEST_WORKERS=1 for one
+# process). `test-slow` runs the tests kept out of the default run for time: thousands of
+# random programs, second solvers of a check, the costlier strong-order fits and adjoints.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m slow
 
 # The suite against the newest releases, without constraints (jax 0.12 needs Python 3.12+):
 #   make test-latest PYTHON_LATEST=/path/to/python3.12
@@ -35,7 +42,7 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q --upgrade pip
 	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
 	.venv-latest/bin/python -c "import importlib.metadata as m, sys; print('Python', sys.version.split()[0], *(f'{p} {m.version(p)}' for p in ('jax', 'jaxlib', 'diffrax', 'equinox', 'lineax')))"
-	.venv-latest/bin/python -m pytest -q
+	.venv-latest/bin/python -m pytest -q -n $(TEST_WORKERS)
 
 # Diffrax 0.7.2's own tests with our ItoMilstein, StratonovichMilstein and BacksolveAdjoint
 # in place of Diffrax's (not part of `make test`; see tests/diffrax_suite.py for where the

@@ -93,7 +93,7 @@ SAVEATS = {
         (diffrax.Tsit5(), 2.0**-4, "t1"),  # FSAL: calls the adjoint `vf` (structure engine)
         # The vf_prod-only backward solver; with several save times Diffrax's own
         # backsolve is off by 1e-4 here (see `_ReversibleHeunVfProd`).
-        (diffrax.ReversibleHeun(), 2.0**-6, "t0+ts"),
+        pytest.param(diffrax.ReversibleHeun(), 2.0**-6, "t0+ts", marks=pytest.mark.slow),
     ],
 )
 def test_ode(getkey, solver, dt, saveat):
@@ -112,7 +112,7 @@ def test_ode(getkey, solver, dt, saveat):
         (diffrax.ReversibleHeun(), "ts"),
         pytest.param(diffrax.Heun(), "t1", marks=pytest.mark.slow),
         pytest.param(diffrax.EulerHeun(), "t1", marks=pytest.mark.slow),
-        (dl.StratonovichMilstein(), "t1"),
+        pytest.param(dl.StratonovichMilstein(), "t1", marks=pytest.mark.slow),
     ],
     ids=lambda x: type(x).__name__ if not isinstance(x, str) else x,
 )
@@ -127,7 +127,8 @@ def test_stratonovich_sde(getkey, solver, saveat):
 @pytest.mark.parametrize(
     "solver, dt, rtol",
     [
-        (dl.ItoMilstein(), 2.0**-10, 1e-3),  # backward: StratonovichMilstein
+        # backward: StratonovichMilstein
+        pytest.param(dl.ItoMilstein(), 2.0**-10, 1e-3, marks=pytest.mark.slow),
         # backward: EulerHeun; strong order 0.5
         pytest.param(diffrax.Euler(), 2.0**-10, 2e-2, marks=pytest.mark.slow),
     ],
@@ -178,6 +179,7 @@ _PYTREE_NOISE = {
 }
 
 
+@pytest.mark.slow
 def test_pytree_state(getkey):
     solver = diffrax.EulerHeun()  # a MultiTerm solver
     k1, k2, k3 = jax.random.split(getkey(), 3)
@@ -307,7 +309,12 @@ def test_saveat_errors_name_what_was_asked():
 # ---- stochastic Runge-Kutta solvers: the backward pass in reversed time
 
 
-def test_srk_ode_gradient():
+@pytest.mark.parametrize(
+    "solver",
+    [diffrax.SPaRK(), pytest.param(diffrax.GeneralShARK(), marks=pytest.mark.slow)],
+    ids=lambda s: type(s).__name__,
+)
+def test_srk_ode_gradient(solver):
     # dy = -y/2 dt with zero diffusion: d y(1) / d y0 = exp(-1/2). Diffrax's own reversal
     # gave exp(+1/2) with `diffrax.SPaRK`, which takes the drift's control to be t1 - t0.
     bm = diffrax.VirtualBrownianTree(
@@ -324,13 +331,13 @@ def test_srk_ode_gradient():
 
         return jax.grad(loss)(jnp.ones(1))
 
-    for solver in (diffrax.SPaRK(), diffrax.GeneralShARK()):
-        ours = grad(dl.BacksolveAdjoint(), solver)
-        ref = grad(diffrax.RecursiveCheckpointAdjoint(), solver)
-        np.testing.assert_allclose(ours, ref, rtol=1e-6)
-        np.testing.assert_allclose(ours, np.exp(-0.5), rtol=1e-3)
+    ours = grad(dl.BacksolveAdjoint(), solver)
+    ref = grad(diffrax.RecursiveCheckpointAdjoint(), solver)
+    np.testing.assert_allclose(ours, ref, rtol=1e-6)
+    np.testing.assert_allclose(ours, np.exp(-0.5), rtol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "solver",
     [diffrax.SPaRK(), pytest.param(diffrax.GeneralShARK(), marks=pytest.mark.slow)],

@@ -58,9 +58,9 @@ def _vmap_reference(terms, solver, keys, y0, args, *, batch_y0=False, batch_args
     "solver, terms",
     [
         (diffrax.Euler(), _terms),
-        (diffrax.Euler(), _matvec_terms),
-        (diffrax.Heun(), _matvec_terms),
-        (diffrax.SPaRK(), _levy_terms),
+        pytest.param(diffrax.Euler(), _matvec_terms, marks=pytest.mark.slow),
+        pytest.param(diffrax.Heun(), _matvec_terms, marks=pytest.mark.slow),
+        pytest.param(diffrax.SPaRK(), _levy_terms, marks=pytest.mark.slow),
     ],
 )
 def test_single_device_matches_vmap(solver, terms):
@@ -77,6 +77,7 @@ def test_single_device_matches_vmap(solver, terms):
     assert int(out.num_failed) == 0
 
 
+@pytest.mark.slow
 def test_chunking_and_reductions_against_numpy():
     keys = jr.split(jr.key(1), 10)
     qs = (0.0, 1 / 9, 0.3, 0.5, 1.0)
@@ -130,6 +131,7 @@ def test_chunking_and_reductions_against_numpy():
     np.testing.assert_allclose(summary.var[1], squares.var(0), rtol=1e-11, atol=1e-15)
 
 
+@pytest.mark.slow
 def test_batched_y0_and_args_and_legacy_keys():
     keys = jax.vmap(jr.PRNGKey)(jnp.arange(6))  # raw uint32 keys, shape (6, 2)
     y0s = jr.normal(jr.key(3), (6, D))
@@ -225,6 +227,7 @@ def test_errors():
         solve(_terms, Y0, keys=keys, mesh=mesh, axis_names="y")
 
 
+@pytest.mark.slow
 def test_multidevice_subprocess():
     """Eight simulated CPU devices, in a fresh process: see `ensemble_multidevice.py`."""
     script = pathlib.Path(__file__).parent / "ensemble_multidevice.py"

@@ -132,6 +132,7 @@ def test_killed_process_stops_the_others(tmp_path, victim):
     assert any(m in survivor.stderr for m in clear), _report(procs)
 
 
+@pytest.mark.slow
 def test_wrong_num_processes_fails_in_bounded_time(tmp_path):
     # Two processes, each told there are three: the third never joins.
     args = [*ARGS, "--num-processes", "3", "--join-timeout", "5"]

@@ -100,6 +100,7 @@ def test_conditional_covariance(getkey, method, n_terms, exact):
         assert a12.var() < full * (1 - 10 * math.sqrt(2 / n))
 
 
+@pytest.mark.slow
 def test_tree_consistency_and_reproducibility(getkey):
     m = 3
     key = getkey()
@@ -165,6 +166,7 @@ def test_tree_joint_law(getkey):
     np.testing.assert_allclose(np.mean(a12**2 * w1**2), 5 * h**3 / 12, rtol=0.12)
 
 
+@pytest.mark.slow
 def test_grid_path_chen(getkey):
     # Against a direct loop over iterated Itô integrals:
     # I[s, u] = I[s, t] + I[t, u] + dW[s, t] (x) dW[t, u].

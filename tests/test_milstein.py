@@ -384,7 +384,11 @@ def _vf_noncommuting_2(t, y, args):
     return jnp.sin(y)[:, None] * jnp.array([[0.3, -0.2], [0.1, 0.4], [-0.5, 0.2]])
 
 
-@pytest.mark.parametrize("vf", [_vf_diagonal_dense, _vf_noncommuting_2], ids=["diagonal", "yG"])
+@pytest.mark.parametrize(
+    "vf",
+    [_vf_diagonal_dense, pytest.param(_vf_noncommuting_2, marks=pytest.mark.slow)],
+    ids=["diagonal", "yG"],
+)
 def test_adaptive_stratonovich_path_identical_to_diffrax(vf):
     # The Stratonovich step is the same single JVP as Diffrax's, so even the rounding is
     # the same: every accepted time and state of an adaptive solve equal bit for bit.
@@ -395,6 +399,7 @@ def test_adaptive_stratonovich_path_identical_to_diffrax(vf):
     np.testing.assert_array_equal(ys, ys_ref)
 
 
+@pytest.mark.slow
 def test_adaptive_ito_agrees_with_diffrax_to_tolerance():
     # The Itô step differs from Diffrax's by rounding only (the correction is a JVP minus
     # dt times the trace term, where Diffrax contracts a d x m x m tensor), and the step-size
@@ -469,6 +474,7 @@ def test_strong_order_gbm(solver, stratonovich, low, high):
     assert low < order < high, (order, errors)
 
 
+@pytest.mark.slow
 def test_strong_order_commuting_linear_multidimensional():
     # dy = M y dt + sum_j B_j y dW_j with M, B_j commuting (simultaneously
     # diagonalised by Q): exact solution in the eigenbasis. Exercises the Itô trace
@@ -498,6 +504,7 @@ def test_strong_order_commuting_linear_multidimensional():
     assert 0.9 < order < 1.1, (order, errs)
 
 
+@pytest.mark.slow
 def test_strong_order_noncommutative():
     # dX1 = dW1, dX2 = X1 dW2: L^1 g^2 = (0, 1) != 0 = L^2 g^1. X2(1) = int W1 dW2
     # needs the Lévy area, which Milstein drops: strong order 0.5. Reference: the

@@ -30,7 +30,7 @@ def _grid_path(key, ts, m, n_terms=3):
     return dl.GridLevyAreaPath(ts, dW, areas)
 
 
-@pytest.mark.parametrize("ito", [True, False])
+@pytest.mark.parametrize("ito", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_step_against_dense_reference(getkey, ito):
     # A nonlinear diffusion with a dense derivative; the double sum from `jax.jacfwd` and
     # explicit loops over j1, j2.
@@ -69,6 +69,7 @@ def test_step_against_dense_reference(getkey, ito):
         np.testing.assert_allclose(y1, expected, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ito", [True, False])
 def test_commutative_noise_matches_diffrax(getkey, ito):
     # Diagonal noise commutes: the (antisymmetric) Lévy area drops out, and the step is
@@ -94,6 +95,7 @@ def test_commutative_noise_matches_diffrax(getkey, ito):
     assert np.abs(np.asarray(sol.ys[-1] - y0)).min() > 1e-3  # the solve went somewhere
 
 
+@pytest.mark.slow
 def test_ito_stratonovich_correspondence(getkey):
     # For g(y)_{:, j} = A_j y, the Stratonovich step with drift f is the Itô step with
     # drift f + (1/2) sum_j A_j A_j y, step by step (J = I + h delta / 2).
@@ -127,6 +129,7 @@ def test_ito_stratonovich_correspondence(getkey):
     np.testing.assert_allclose(strat.ys, ito.ys, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_strong_order_non_commutative(getkey):
     # dy = B y dt + sum_j A_j y dW_j with non-commuting A_j (d = m = 2). Each path is
     # sampled on a fine grid of 2^11 steps (increments and areas); coarse steps see the

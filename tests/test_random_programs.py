@@ -418,13 +418,13 @@ def _run_group(seeds):
 GROUP = 25  # programs per compilation: larger groups amortise the per-jit overhead
 
 
-@pytest.mark.parametrize("group", range(8))  # 200 programs
+@pytest.mark.parametrize("group", range(4))  # 100 programs
 def test_random_programs(group):
     _run_group(range(group * GROUP, (group + 1) * GROUP))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("group", range(8, 128))  # 3000 more
+@pytest.mark.parametrize("group", range(4, 128))  # 3100 more
 def test_random_programs_slow(group):
     _run_group(range(group * GROUP, (group + 1) * GROUP))
 

@@ -352,12 +352,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if c.startswith("attention") else c for c in CASES],
+)
 def test_matches_vmap_grad(case):
     _check(*CASES[case]())
 
 
-@pytest.mark.parametrize("case", ["attention_per_example", "unknown_primitive"])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param("attention_per_example", marks=pytest.mark.slow), "unknown_primitive"],
+)
 def test_chunks(case):
     # chunk_size=3 does not divide B=7: the padded examples must not count.
     _check(*CASES[case](), chunk_size=3)

@@ -55,7 +55,7 @@ def _ours_and_default(terms, solver_cls, y0, t1):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda rf: diffrax.Kvaerno5(root_finder=rf),
+        pytest.param(lambda rf: diffrax.Kvaerno5(root_finder=rf), marks=pytest.mark.slow),
         lambda rf: diffrax.Kvaerno3(root_finder=rf),
         lambda rf: diffrax.ImplicitEuler(root_finder=rf),
     ],
@@ -231,7 +231,10 @@ _DTS = [2.0**-3, 2.0**-4, 2.0**-5, 2.0**-6]
 
 @pytest.mark.parametrize(
     "solver, stratonovich",
-    [(dl.ImplicitItoMilstein(), False), (dl.ImplicitStratonovichMilstein(), True)],
+    [
+        (dl.ImplicitItoMilstein(), False),
+        pytest.param(dl.ImplicitStratonovichMilstein(), True, marks=pytest.mark.slow),
+    ],
     ids=["Ito", "Stratonovich"],
 )
 def test_implicit_milstein_strong_order(solver, stratonovich):
@@ -240,6 +243,7 @@ def test_implicit_milstein_strong_order(solver, stratonovich):
     assert 0.9 <= order <= 1.1, (order, errs)
 
 
+@pytest.mark.slow
 def test_implicit_euler_maruyama_strong_order():
     # Strong noise, so that the noise's order-0.5 error dominates the drift's order-1 one.
     errs = _strong_errors(dl.ImplicitEulerMaruyama(), _DTS, noise=4.0)
@@ -252,7 +256,9 @@ def test_implicit_euler_maruyama_strong_order():
     [
         (dl.ImplicitEulerMaruyama(), diffrax.Euler()),
         (dl.ImplicitItoMilstein(), dl.ItoMilstein()),
-        (dl.ImplicitStratonovichMilstein(), dl.StratonovichMilstein()),
+        pytest.param(
+            dl.ImplicitStratonovichMilstein(), dl.StratonovichMilstein(), marks=pytest.mark.slow
+        ),
     ],
     ids=["EulerMaruyama", "ItoMilstein", "StratonovichMilstein"],
 )
@@ -272,7 +278,11 @@ def test_stable_where_explicit_blows_up(implicit, explicit):
     [
         (dl.ImplicitEulerMaruyama(theta=0.0), diffrax.Euler()),
         (dl.ImplicitItoMilstein(theta=0.0), dl.ItoMilstein()),
-        (dl.ImplicitStratonovichMilstein(theta=0.0), dl.StratonovichMilstein()),
+        pytest.param(
+            dl.ImplicitStratonovichMilstein(theta=0.0),
+            dl.StratonovichMilstein(),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["EulerMaruyama", "ItoMilstein", "StratonovichMilstein"],
 )
@@ -283,6 +293,7 @@ def test_theta_zero_is_the_explicit_method(implicit, explicit):
     np.testing.assert_allclose(a, b, rtol=1e-13)
 
 
+@pytest.mark.slow
 def test_general_noise():
     """Non-commutative noise through the iterated integrals: with theta = 0 the step is
     `GeneralItoMilstein`'s; with theta = 1 it is bounded where that one blows up."""
@@ -308,6 +319,7 @@ def test_general_noise():
     assert jnp.all(jnp.abs(y) < 10)
 
 
+@pytest.mark.slow
 def test_gradients_match_checkpointing():
     A = jnp.array([-1.0, -30.0, -100.0])
     bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=2**-8, shape=(2,), key=jr.key(4))
@@ -372,7 +384,7 @@ def test_backsolve_adjoint_converges_to_checkpointing(solver):
 
     y0 = jnp.array([1.0, 0.5, 2.0])
     errors = []
-    for dt in (2**-6, 2**-8):
+    for dt in jnp.array([2**-6, 2**-8]):  # arrays: one compilation for both steps
         exact = grad(y0, dt, diffrax.RecursiveCheckpointAdjoint())
         ours = grad(y0, dt, dl.BacksolveAdjoint())
         assert jnp.all(jnp.isfinite(ours))
