@@ -496,9 +496,17 @@ def _operators():
     cols = np.stack([np.arange(n), (np.arange(n) + 5) % n, (np.arange(n) * 7) % n])
     values = jnp.asarray(rng.randn(n, 3)).at[:, 0].add(5.0)
     yield dl.SparseLinearOperator(values, cols, jax.ShapeDtypeStruct((3, 4), values.dtype))
+    # Bandwidth 9: the block-tridiagonal LU inverts its 9 x 9 blocks with LAPACK's LU, not
+    # the Gauss-Jordan loop of small blocks.
+    wide = jnp.asarray(rng.randn(5, 40)).at[2].add(8.0)
+    yield dl.BandedLinearOperator(wide, (-9, -1, 0, 1, 9))
 
 
-@pytest.mark.parametrize("op", list(_operators()), ids=lambda op: type(op).__name__)
+@pytest.mark.parametrize(
+    "op",
+    list(_operators()),
+    ids=lambda op: f"{type(op).__name__}_{op.in_size()}",
+)
 def test_operator_against_its_matrix(op):
     A = np.asarray(op.as_matrix())
     v = jnp.asarray(np.random.RandomState(4).randn(*op.in_structure().shape))
