@@ -14,6 +14,7 @@ import jax.scipy as jsp
 import lineax as lx
 import numpy as np
 import pytest
+from benchmarks import structure
 from diffrax_linearize import _materialise, _sparsity
 from helpers import assert_tree_allclose
 
@@ -24,24 +25,15 @@ _TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.float64: dict(rtol=1e-11, a
 # ---- the fields ---------------------------------------------------------------------------
 
 
-def robertson_stack(y):
-    """N Robertson systems in a flat state, written with `y[:, k]` and `jnp.stack`."""
-    y = y.reshape(-1, 3)
-    y1, y2, y3 = y[:, 0], y[:, 1], y[:, 2]
-    d1 = -0.04 * y1 + 1e4 * y2 * y3
-    d3 = 3e7 * y2**2
-    return jnp.stack([d1, -d1 - d3, d3], axis=1).reshape(-1)
-
-
-def _robertson_one(y):
-    y1, y2, y3 = y
-    d1 = -0.04 * y1 + 1e4 * y2 * y3
-    d3 = 3e7 * y2**2
-    return jnp.stack([d1, -d1 - d3, d3])
-
-
-def robertson_vmap(y):
-    return jax.vmap(_robertson_one)(y.reshape(-1, 3)).reshape(-1)
+# The structure benchmark's fields where the tests use them unchanged: N Robertson systems
+# written with `y[:, k]` and `jnp.stack`, with `vmap`, and with `lax.scan` over the systems
+# (a map with no carry); Lorenz-96.
+robertson_stack, robertson_vmap, lorenz96 = (
+    structure.robertson_stack,
+    structure.robertson_vmap,
+    structure.lorenz96,
+)
+scan_field = structure.robertson_scan
 
 
 def laplacian_pad(u):
@@ -89,16 +81,6 @@ def gray_scott_2d(y):
     du = 0.16 * lap(u) - u * v**2 + 0.06 * (1 - u)
     dv = 0.08 * lap(v) + u * v**2 - 0.12 * v
     return jnp.stack([du, dv], axis=-1).reshape(-1)
-
-
-def lorenz96(x):
-    return (jnp.roll(x, -1) - jnp.roll(x, 2)) * jnp.roll(x, 1) - x + 8.0
-
-
-def scan_field(y):
-    """A field computed by `lax.scan` over the systems (a map with no carry)."""
-    _, out = lax.scan(lambda c, s: (c, _robertson_one(s)), 0.0, y.reshape(-1, 3))
-    return out.reshape(-1)
 
 
 def heat_substeps(u):
