@@ -109,10 +109,10 @@ def test_ode(getkey, solver, dt, saveat):
 @pytest.mark.parametrize(
     "solver, saveat",
     [
-        (diffrax.ReversibleHeun(), "ts"),
+        pytest.param(diffrax.ReversibleHeun(), "ts", marks=pytest.mark.slow),
         pytest.param(diffrax.Heun(), "t1", marks=pytest.mark.slow),
         pytest.param(diffrax.EulerHeun(), "t1", marks=pytest.mark.slow),
-        pytest.param(dl.StratonovichMilstein(), "t1", marks=pytest.mark.slow),
+        (dl.StratonovichMilstein(), "t1"),
     ],
     ids=lambda x: type(x).__name__ if not isinstance(x, str) else x,
 )

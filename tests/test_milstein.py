@@ -156,6 +156,7 @@ def test_step_agrees_with_diffrax(name):
         assert np.max(np.abs(ito - strat)) > 1e-3
 
 
+@pytest.mark.slow
 def test_diffeqsolve_agrees_with_diffrax_vmapped_over_paths():
     saveat = dfx.SaveAt(ts=jnp.linspace(T0, T1, 7))  # dense output, between steps
 

@@ -311,7 +311,8 @@ _IDIOM_NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "expm" else n fo
 @pytest.mark.parametrize("name", _IDIOM_NAMES)
 def test_idiom(name, mode):
     fn = IDIOMS[name]
-    for dtype in (jnp.float32, jnp.float64):
+    # float32 once per idiom (its tolerances do not depend on the mode).
+    for dtype in (jnp.float32, jnp.float64) if mode == "forward" else (jnp.float64,):
         x = _input(12, dtype, seed=1)
         out = dl.materialise(fn, x, mode=mode, strict=True)
         assert_tree_allclose(out, jax.jacfwd(fn)(x), **_TOL[dtype])
@@ -446,13 +447,13 @@ def _random_stencil_program(seed):
 def test_random_stencil_programs(keep_patterns, monkeypatch):
     if keep_patterns:
         monkeypatch.setattr(_sparsity, "DENSE_FRACTION", np.inf)
-    programs = [_random_stencil_program(seed) for seed in range(24)]
+    programs = [_random_stencil_program(seed) for seed in range(16)]
 
     @jax.jit
     def run(xs):
         return [
             (dl.materialise(fn, x, mode=mode), jax.jacfwd(fn)(x))
-            for (fn, _, _), x, mode in zip(programs, xs, ["forward", "reverse"] * 12)
+            for (fn, _, _), x, mode in zip(programs, xs, ["forward", "reverse"] * 8)
         ]
 
     for (_, _, desc), (actual, expected) in zip(programs, run([p[1] for p in programs])):

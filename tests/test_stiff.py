@@ -70,12 +70,14 @@ def test_very_chord_drop_in(make):
     assert_tree_allclose(ours.ys, default.ys, rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_newton_solves_the_same_problem():
     reference = _robertson_solve(diffrax.Kvaerno5(), N=2)
     ours = _robertson_solve(diffrax.Kvaerno5(root_finder=dl.Newton()), N=2)
     assert_tree_allclose(ours.ys, reference.ys, rtol=1e-4, atol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
     tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12),
     reason="Diffrax 0.7.2's KenCarp4 runs out of steps on this problem on jax 0.12, with "
@@ -353,8 +355,8 @@ _M = jnp.array([[-2.0, 1.0, 0.0], [0.5, -5.0, 1.0], [0.0, 1.0, -1.0]])
 @pytest.mark.parametrize(
     "solver",
     [
-        dl.ImplicitItoMilstein(),
-        # The same backward solver as the Ito Milstein's; slow to compile, so not by default.
+        pytest.param(dl.ImplicitItoMilstein(), marks=pytest.mark.slow),
+        # The same backward solver as the Ito Milstein's.
         pytest.param(dl.ImplicitEulerMaruyama(), marks=pytest.mark.slow),
         pytest.param(dl.ImplicitStratonovichMilstein(), marks=pytest.mark.slow),
     ],
