@@ -424,41 +424,45 @@ def _block_size(rows, cols, n) -> int | None:
     return None
 
 
-def _assemble(values, target, live, size: int, period: int, old):
+def _assemble(values, target, live, size: int, period: int):
     """`out[r, t]`: the sum of row `r`'s live slots `e` with `target[e, r] == t`, for the
     static `target` and `live` of shape `(E, rows)` and `values` of shape `(rows, E)` (zero
-    where not live). Rows `r` and `r + period` share their slots' targets in a regular
-    pattern (a stencil's diagonals, with `period = 1`; the rows of equal blocks, with the
-    block size), so each `(r % period, t)` is a sum of whole slot columns of `values`, a
-    static mask only where a slot lands elsewhere in some rows: elementwise work that XLA
-    fuses into one pass. `old()` (a scatter-add of the entries) is used for patterns too
-    irregular for that: on CPU, XLA's scatter of a few hundred thousand entries costs ten
-    evaluations of a stencil."""
+    where not live); `period` divides the number of rows. Rows `r` and `r + period` share
+    their slots' targets in a regular pattern (a stencil's diagonals, with `period = 1`;
+    the rows of equal blocks, with the block size), so each `(r % period, t)` is a sum of
+    whole slot columns of `values`, a static mask only where a slot lands elsewhere in some
+    rows: elementwise work that XLA fuses into one pass. Patterns too irregular for that
+    are assembled by a scatter-add of the entries, which on CPU costs ten evaluations of a
+    stencil at a few hundred thousand entries."""
     E, m = live.shape
-    p = period if m % period == 0 else 1
-    nb = m // p
-    if p * size > 1024:
-        return old()
-    tgt = np.where(live, target, -1).reshape(E, nb, p)
-    lv = live.reshape(E, nb, p)
+    nb = m // period
+
+    def scatter():
+        rows = np.broadcast_to(np.arange(m), live.shape)[live]
+        slots = np.broadcast_to(np.arange(E)[:, None], live.shape)[live]
+        out = jnp.zeros((m, size), values.dtype)
+        return out.at[rows, target[live]].add(values[rows, slots])
+
+    if period * size > 1024:
+        return scatter()
+    tgt = np.where(live, target, -1).reshape(E, nb, period)
+    lv = live.reshape(E, nb, period)
     pieces = []
-    for i in range(p):
+    for i in range(period):
         for t in range(size):
             hits = tgt[:, :, i] == t  # (E, nb)
             for e in np.nonzero(hits.any(axis=1))[0]:
-                if (lv[e, :, i] & ~hits[e]).any():
-                    pieces.append((i, t, e, hits[e]))
-                else:
-                    pieces.append((i, t, e, None))
-    if len(pieces) > 4 * max(E, size) * p:
-        return old()
-    V = values.reshape(nb, p, E)
+                mask = hits[e] if (lv[e, :, i] & ~hits[e]).any() else None
+                pieces.append((i, t, e, mask))
+    if len(pieces) > 4 * max(E, size) * period:
+        return scatter()
+    V = values.reshape(nb, period, E)
     columns = {}
     for i, t, e, mask in pieces:
         piece = V[:, i, e] if mask is None else jnp.where(mask, V[:, i, e], 0)
         columns[i, t] = piece if (i, t) not in columns else columns[i, t] + piece
     zero = jnp.zeros((nb,), values.dtype)
-    out = jnp.stack([columns.get((i, t), zero) for i in range(p) for t in range(size)], -1)
+    out = jnp.stack([columns.get((i, t), zero) for i in range(period) for t in range(size)], -1)
     return out.reshape(m, size)
 
 
@@ -474,16 +478,10 @@ def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLine
     if m == n and m > 1:
         rows_of = np.broadcast_to(np.arange(m), columns.shape)
         rows, cols = rows_of[live], columns[live]
-        slots = np.broadcast_to(np.arange(columns.shape[0])[:, None], columns.shape)[live]
         k = _block_size(rows, cols, n) if len(rows) else 1
         if k is not None and k <= 256:
             # Row r's slots land in block r // k, at (r % k, column % k).
-            def scatter():
-                picked = values[rows, slots]
-                out = jnp.zeros((n // k, k, k), values.dtype)
-                return out.at[rows // k, rows % k, cols % k].add(picked).reshape(m, k)
-
-            blocks = _assemble(values, columns % k, live, k, k, scatter).reshape(n // k, k, k)
+            blocks = _assemble(values, columns % k, live, k, k).reshape(n // k, k, k)
             return BlockDiagonalLinearOperator(blocks, input_structure, output_structure)
         off = cols.astype(np.int64) - rows
         lower, upper = int(max(0, -off.min())), int(max(0, off.max()))
@@ -493,13 +491,7 @@ def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLine
             # length r has five, at offsets 0, +-1 and +-r, not the 2r + 1 of its band.
             offsets = tuple(int(d) for d in np.unique(off))
             index = np.searchsorted(np.asarray(offsets), columns.astype(np.int64) - rows_of)
-
-            def scatter():
-                picked = values[rows, slots]
-                out = jnp.zeros((len(offsets), n), values.dtype)
-                return out.at[index[live], rows].add(picked).T
-
-            diagonals = _assemble(values, index, live, len(offsets), 1, scatter).T  # (D, n)
+            diagonals = _assemble(values, index, live, len(offsets), 1).T  # (D, n)
             if (
                 set(offsets) <= {-1, 0, 1}
                 and len(input_structure.shape) == 1
