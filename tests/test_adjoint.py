@@ -124,13 +124,12 @@ def test_stratonovich_sde(getkey, solver, saveat):
     assert max(_rel_errors(ours, ref)) < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "solver, dt, rtol",
     [
-        # backward: StratonovichMilstein
-        pytest.param(dl.ItoMilstein(), 2.0**-10, 1e-3, marks=pytest.mark.slow),
-        # backward: EulerHeun; strong order 0.5
-        pytest.param(diffrax.Euler(), 2.0**-10, 2e-2, marks=pytest.mark.slow),
+        (dl.ItoMilstein(), 2.0**-10, 1e-3),  # backward: StratonovichMilstein
+        (diffrax.Euler(), 2.0**-10, 2e-2),  # backward: EulerHeun; strong order 0.5
     ],
     ids=["ItoMilstein", "Euler"],
 )

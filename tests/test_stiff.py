@@ -352,13 +352,13 @@ def test_gradients_match_checkpointing():
 _M = jnp.array([[-2.0, 1.0, 0.0], [0.5, -5.0, 1.0], [0.0, 1.0, -1.0]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "solver",
     [
-        pytest.param(dl.ImplicitItoMilstein(), marks=pytest.mark.slow),
-        # The same backward solver as the Ito Milstein's.
-        pytest.param(dl.ImplicitEulerMaruyama(), marks=pytest.mark.slow),
-        pytest.param(dl.ImplicitStratonovichMilstein(), marks=pytest.mark.slow),
+        dl.ImplicitItoMilstein(),
+        dl.ImplicitEulerMaruyama(),  # the same backward solver as the Ito Milstein's
+        dl.ImplicitStratonovichMilstein(),
     ],
     ids=lambda s: type(s).__name__,
 )
