@@ -1123,6 +1123,33 @@ def _dot_general_rule(ctx, eqn, vals):
 # ---- primitives applied to the values, vectorised over the in side ---------------------
 
 
+def _conv_windows(x, kernel, params):
+    """`(offset, window)` for each offset of the kernel: the strided slice of the padded
+    (and, for `lhs_dilation`, interior-padded) input `x` of shape `(N, C, *spatial)` that
+    the kernel's element at that offset meets, of shape `(N, C, *out_spatial)`. Data
+    movement only: exact, structure-keeping, and on CPU several times cheaper than the
+    grouped convolution of `lax.conv_general_dilated_patches`."""
+    padding = [tuple(int(q) for q in p) for p in params["padding"]]
+    ldil = params["lhs_dilation"]
+    x = lax.pad(
+        x,
+        jnp.zeros((), x.dtype),
+        [(0, 0, 0), (0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(padding, ldil)],
+    )
+    strides, rdil = params["window_strides"], params["rhs_dilation"]
+    N, C = x.shape[:2]
+    out_sizes = [
+        (x.shape[2 + d] - (kernel[d] - 1) * rdil[d] - 1) // strides[d] + 1
+        for d in range(len(kernel))
+    ]
+    for k in itertools.product(*[range(n) for n in kernel]):
+        start = [0, 0] + [k[d] * rdil[d] for d in range(len(kernel))]
+        limit = [N, C] + [
+            start[2 + d] + (out_sizes[d] - 1) * strides[d] + 1 for d in range(len(kernel))
+        ]
+        yield k, lax.slice(x, start, limit, [1, 1] + list(strides))
+
+
 def _conv_as_shifts(lhs, rhs, params):
     """`conv_general_dilated(lhs, rhs)` (no input dilation) as a sum over the kernel's
     offsets of a strided slice of the padded input contracted with the kernel's slice:
@@ -1130,26 +1157,11 @@ def _conv_as_shifts(lhs, rhs, params):
     lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
     x = jnp.transpose(lhs, lhs_spec)  # (N, C, *spatial)
     w = jnp.transpose(rhs, rhs_spec)  # (O, I, *kernel)
-    padding = [tuple(int(q) for q in p) for p in params["padding"]]
-    x = lax.pad(
-        x, jnp.zeros((), x.dtype), [(0, 0, 0), (0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding]
-    )
-    strides, rdil = params["window_strides"], params["rhs_dilation"]
     G, B = params["feature_group_count"], params["batch_group_count"]
     N, C = x.shape[:2]
     O = w.shape[0]
-    kernel = w.shape[2:]
-    out_sizes = [
-        (x.shape[2 + d] - (kernel[d] - 1) * rdil[d] - 1) // strides[d] + 1
-        for d in range(len(kernel))
-    ]
     total = None
-    for k in itertools.product(*[range(n) for n in kernel]):
-        start = [0, 0] + [k[d] * rdil[d] for d in range(len(kernel))]
-        limit = [N, C] + [
-            start[2 + d] + (out_sizes[d] - 1) * strides[d] + 1 for d in range(len(kernel))
-        ]
-        shifted = lax.slice(x, start, limit, [1, 1] + list(strides))
+    for k, shifted in _conv_windows(x, w.shape[2:], params):
         wk = w[(slice(None), slice(None)) + k]  # (O, I)
         if G > 1:
             sh = shifted.reshape((N, G, C // G) + shifted.shape[2:])
@@ -1167,26 +1179,24 @@ def _conv_as_shifts(lhs, rhs, params):
 
 def _conv_as_patches(lhs, rhs, params):
     """`conv_general_dilated(lhs, rhs)` with one feature and batch group, as the input's
-    patches (`lax.conv_general_dilated_patches`, constant when only the kernel is linear)
-    contracted with the kernel: the Jacobian with respect to the kernel is then the
-    patches, tied along the output features, rather than the kernel's identity pushed
-    through the convolution (`jax.jacfwd`'s way)."""
+    patches (constant when only the kernel is linear) contracted with the kernel: the
+    Jacobian with respect to the kernel is then the patches, tied along the output
+    features, rather than the kernel's identity pushed through the convolution
+    (`jax.jacfwd`'s way). The patches keep the kernel's axes, `(N, I, *kernel,
+    *out_spatial)`, so that the kernel's identity stays a delta along each of them (a
+    flattened kernel would make it a row-compressed pattern, densified by a scatter)."""
     lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
     x = jnp.transpose(lhs, lhs_spec)  # (N, C, *spatial)
     w = jnp.transpose(rhs, rhs_spec)  # (O, I, *kernel)
-    patches = lax.conv_general_dilated_patches(
-        x,
-        w.shape[2:],
-        params["window_strides"],
-        [tuple(int(q) for q in p) for p in params["padding"]],
-        lhs_dilation=params["lhs_dilation"],
-        rhs_dilation=params["rhs_dilation"],
-        precision=lax.Precision.HIGHEST,
-    )  # (N, I * prod(kernel), *out_spatial), I major
+    kernel = w.shape[2:]
+    windows = [window for _, window in _conv_windows(x, kernel, params)]
+    patches = jnp.stack(windows, axis=2)
+    patches = patches.reshape(patches.shape[:2] + kernel + patches.shape[3:])
+    k = "".join(chr(ord("a") + d) for d in range(len(kernel)))
     out = jnp.einsum(
-        "np...,op->no...",
+        f"ni{k}...,oi{k}->no...",
         patches.astype(w.dtype),
-        w.reshape(w.shape[0], -1),
+        w,
         precision=params["precision"],
         preferred_element_type=params["preferred_element_type"],
     )

@@ -115,5 +115,17 @@ def count_matmuls(fn, *args) -> int:
     return _count_live(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[0]
 
 
+def primitive_names(fn, *args) -> set[str]:
+    """The names of every primitive in `jax.make_jaxpr(fn)(*args)`, sub-jaxprs included."""
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name
+            for sub in subjaxprs(eqn):
+                yield from walk(sub)
+
+    return set(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
 def random_normal(key, shape, dtype=jnp.float64):
     return jax.random.normal(key, shape, dtype=dtype)

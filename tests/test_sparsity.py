@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from benchmarks import structure
 from diffrax_linearize import _materialise, _sparsity
-from helpers import assert_tree_allclose
+from helpers import assert_tree_allclose, primitive_names
 
 
 _TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.float64: dict(rtol=1e-11, atol=1e-11)}
@@ -203,6 +203,41 @@ def test_conv_kernel_jacobian_is_the_patches(layer, shape):
     (kind,) = dl.structure_report(fn, w).kinds
     stored, dense = re.search(r"([\d,]+) numbers stored, dense ([\d,]+)", kind).groups()
     assert int(stored.replace(",", "")) * layer.out_channels <= int(dense.replace(",", "")), kind
+    # The patches are strided slices of the input, and the kernel's identity stays a delta
+    # along each kernel axis: no scatter densifies a pattern, and no grouped convolution
+    # builds the patches (each of those cost more on CPU than `jax.jacfwd`'s convolution).
+    used = primitive_names(lambda w: dl.materialise(fn, w), w)
+    assert not used & {"scatter-add", "scatter_add", "scatter", "conv_general_dilated"}, used
+
+
+@pytest.mark.parametrize(
+    "shape, kernel, kwargs",
+    [
+        # ConvTranspose-like: input dilation with a negative padding, two batch elements.
+        ((2, 3, 9), (4, 3, 3), dict(window_strides=(1,), padding=((-1, 2),), lhs_dilation=(2,))),
+        # Channels last, strided and dilated in one of two spatial axes.
+        (
+            (1, 6, 5, 2),
+            (3, 3, 2, 3),
+            dict(
+                window_strides=(2, 1),
+                padding="SAME",
+                rhs_dilation=(1, 2),
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            ),
+        ),
+        ((1, 2, 4, 3, 5), (2, 2, 2, 1, 3), dict(window_strides=(1, 1, 2), padding="VALID")),
+    ],
+    ids=["dilated_input", "nhwc", "3d"],
+)
+def test_conv_kernel_route_layouts(shape, kernel, kwargs):
+    # The kernel route's windows against `jax.jacfwd` for the layouts Equinox's layers do
+    # not produce: input dilation and negative padding, channels-last dimension numbers,
+    # three spatial axes.
+    x = jnp.asarray(np.random.RandomState(1).randn(*shape), jnp.float64)
+    w = jnp.asarray(np.random.RandomState(2).randn(*kernel), jnp.float64)
+    fn = lambda w: lax.conv_general_dilated(x, w, **kwargs)
+    np.testing.assert_allclose(dl.materialise(fn, w), jax.jacfwd(fn)(w), rtol=1e-12, atol=1e-14)
 
 
 def test_banded_storage():
