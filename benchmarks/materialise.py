@@ -10,8 +10,9 @@ Problems (float32, 2-core CPU in the issue's acceptance):
   `A` bit for bit.
 - with `--seed-n 10000` (the GPU run): the seed report's case, `A @ x` at N = 10,000,
   compiled and first calls.
-- Equinox layers (`Conv1d`, `Conv2d`, `ConvTranspose1d`, `Linear`), the Jacobian with
-  respect to the input and to the parameters: ours against `jax.jacfwd`, where structure
+- Equinox layers (`Conv1d`, `Conv2d`, `ConvTranspose1d`, `Linear`, a grouped `Conv1d`,
+  a strided `ConvTranspose1d`), the Jacobian with respect to the input and to the
+  parameters: ours against `jax.jacfwd`, where structure
   may not pay (ours must not be slower beyond timing noise).
 
     python -m benchmarks.materialise [--quick] [--seed-n N]
@@ -80,12 +81,22 @@ def _nonlinear_methods():
 
 def _layers():
     """`(name, layer, input)` for the layer cases, float32."""
-    keys = jr.split(jr.key(0), 4)
+    keys = jr.split(jr.key(0), 6)
     return [
         ("Conv1d(4, 8, 3)", eqx.nn.Conv1d(4, 8, 3, padding=1, key=keys[0]), (4, 64)),
         ("Conv2d(3, 8, 3)", eqx.nn.Conv2d(3, 8, 3, padding=1, key=keys[1]), (3, 16, 16)),
         ("ConvTranspose1d(4, 8, 3)", eqx.nn.ConvTranspose1d(4, 8, 3, key=keys[2]), (4, 32)),
         ("Linear(64, 64)", eqx.nn.Linear(64, 64, key=keys[3]), (64,)),
+        (
+            "Conv1d(4, 8, 3, groups=2)",
+            eqx.nn.Conv1d(4, 8, 3, padding=1, groups=2, key=keys[4]),
+            (4, 64),
+        ),
+        (
+            "ConvTranspose1d(4, 8, 3, stride=2)",
+            eqx.nn.ConvTranspose1d(4, 8, 3, stride=2, key=keys[5]),
+            (4, 32),
+        ),
     ]
 
 

@@ -1151,9 +1151,10 @@ def _conv_windows(x, kernel, params):
 
 
 def _conv_as_shifts(lhs, rhs, params):
-    """`conv_general_dilated(lhs, rhs)` (no input dilation) as a sum over the kernel's
-    offsets of a strided slice of the padded input contracted with the kernel's slice:
-    the same numbers, in terms of data movement that keeps structure."""
+    """`conv_general_dilated(lhs, rhs)` as a sum over the kernel's offsets of a strided
+    slice of the padded (and, for input dilation, interior-padded) input contracted with
+    the kernel's slice: the same numbers, in terms of data movement that keeps
+    structure."""
     lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
     x = jnp.transpose(lhs, lhs_spec)  # (N, C, *spatial)
     w = jnp.transpose(rhs, rhs_spec)  # (O, I, *kernel)
@@ -1178,23 +1179,34 @@ def _conv_as_shifts(lhs, rhs, params):
 
 
 def _conv_as_patches(lhs, rhs, params):
-    """`conv_general_dilated(lhs, rhs)` with one feature and batch group, as the input's
-    patches (constant when only the kernel is linear) contracted with the kernel: the
-    Jacobian with respect to the kernel is then the patches, tied along the output
-    features, rather than the kernel's identity pushed through the convolution
-    (`jax.jacfwd`'s way). The patches keep the kernel's axes, `(N, I, *kernel,
-    *out_spatial)`, so that the kernel's identity stays a delta along each of them (a
-    flattened kernel would make it a row-compressed pattern, densified by a scatter)."""
+    """`conv_general_dilated(lhs, rhs)` with one batch group, as the input's patches
+    (constant when only the kernel is linear) contracted with the kernel: the Jacobian
+    with respect to the kernel is then the patches, tied along the output features,
+    rather than the kernel's identity pushed through the convolution (`jax.jacfwd`'s
+    way). The patches keep the kernel's axes, `(N, I, *kernel, *out_spatial)`, so that
+    the kernel's identity stays a delta along each of them (a flattened kernel would make
+    it a row-compressed pattern, densified by a scatter)."""
     lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
     x = jnp.transpose(lhs, lhs_spec)  # (N, C, *spatial)
     w = jnp.transpose(rhs, rhs_spec)  # (O, I, *kernel)
     kernel = w.shape[2:]
     windows = [window for _, window in _conv_windows(x, kernel, params)]
-    patches = jnp.stack(windows, axis=2)
-    patches = patches.reshape(patches.shape[:2] + kernel + patches.shape[3:])
+    patches = jnp.stack(windows, axis=2)  # (N, C, prod(kernel), *out_spatial)
+    N, C = patches.shape[:2]
+    patches = patches.reshape((N, C) + kernel + patches.shape[3:])
     k = "".join(chr(ord("a") + d) for d in range(len(kernel)))
+    G, O = params["feature_group_count"], w.shape[0]
+    if G == 1:
+        spec = f"ni{k}...,oi{k}->no..."
+    else:
+        # Output feature `o` reads its group's input features: the patches are repeated
+        # per output feature, so that `o` pairs the patches with the kernel elementwise
+        # (splitting the kernel's `o` into groups would break its delta into a pattern).
+        patches = patches.reshape((N, G, C // G) + patches.shape[2:])
+        patches = jnp.repeat(patches, O // G, axis=1)
+        spec = f"noi{k}...,oi{k}->no..."
     out = jnp.einsum(
-        f"ni{k}...,oi{k}->no...",
+        spec,
         patches.astype(w.dtype),
         w,
         precision=params["precision"],
@@ -1219,7 +1231,6 @@ def _conv_rule(ctx, eqn, vals):
         isinstance(lhs, Lin)
         and not isinstance(rhs, Lin)
         and _has_pattern(lhs)
-        and all(d == 1 for d in params["lhs_dilation"])
         and math.prod(spatial) <= _CONV_MAX_WINDOW
         and not (params["feature_group_count"] > 1 and params["batch_group_count"] > 1)
     ):
@@ -1228,12 +1239,7 @@ def _conv_rule(ctx, eqn, vals):
             jax.ShapeDtypeStruct(aval.shape, aval.dtype)
         )
         return interpret(ctx, closed.jaxpr, closed.consts, [lhs])
-    if (
-        isinstance(rhs, Lin)
-        and not isinstance(lhs, Lin)
-        and params["feature_group_count"] == 1
-        and params["batch_group_count"] == 1
-    ):
+    if isinstance(rhs, Lin) and not isinstance(lhs, Lin) and params["batch_group_count"] == 1:
         aval = eqn.invars[1].aval
         closed = jax.make_jaxpr(lambda w: _conv_as_patches(lhs, w, params))(
             jax.ShapeDtypeStruct(aval.shape, aval.dtype)

@@ -188,8 +188,9 @@ def test_irregular_patterns_against_jacfwd(name):
         (lambda key: eqx.nn.Conv2d(3, 4, 3, padding=1, key=key), (3, 7, 6)),
         (lambda key: eqx.nn.Conv1d(2, 3, 3, stride=2, dilation=2, key=key), (2, 15)),
         (lambda key: eqx.nn.ConvTranspose1d(2, 3, 3, stride=2, key=key), (2, 8)),
+        (lambda key: eqx.nn.Conv1d(4, 6, 3, groups=2, padding=1, key=key), (4, 12)),
     ],
-    ids=["Conv2d", "Conv1d_strided_dilated", "ConvTranspose1d"],
+    ids=["Conv2d", "Conv1d_strided_dilated", "ConvTranspose1d", "Conv1d_grouped"],
 )
 def test_conv_kernel_jacobian_is_the_patches(layer, shape):
     # With respect to its kernel, a convolution's Jacobian is the input's patches, each
@@ -238,6 +239,27 @@ def test_conv_kernel_route_layouts(shape, kernel, kwargs):
     w = jnp.asarray(np.random.RandomState(2).randn(*kernel), jnp.float64)
     fn = lambda w: lax.conv_general_dilated(x, w, **kwargs)
     np.testing.assert_allclose(dl.materialise(fn, w), jax.jacfwd(fn)(w), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (lambda key: eqx.nn.ConvTranspose1d(2, 3, 3, stride=2, key=key), (2, 9)),
+        (lambda key: eqx.nn.ConvTranspose2d(2, 2, 3, stride=2, padding=1, key=key), (2, 4, 3)),
+    ],
+    ids=["ConvTranspose1d", "ConvTranspose2d"],
+)
+def test_strided_transposed_conv_input_jacobian_is_sparse(layer, shape):
+    # A transposed convolution with a stride dilates its input: the windows of the
+    # interior-padded input keep the input's structure (each output reads at most
+    # ceil(kernel / stride) inputs per channel), rather than going dense.
+    layer = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), layer(jax.random.key(0)))
+    x = jnp.asarray(np.random.RandomState(0).randn(*shape), jnp.float64)
+    np.testing.assert_allclose(
+        dl.materialise(layer, x), jax.jacfwd(layer)(x), rtol=1e-12, atol=1e-14
+    )
+    (kind,) = dl.structure_report(layer, x).kinds
+    assert kind.startswith("sparse"), kind
 
 
 def test_banded_storage():
