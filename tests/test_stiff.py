@@ -56,7 +56,7 @@ def _ours_and_default(terms, solver_cls, y0, t1):
     "make",
     [
         pytest.param(lambda rf: diffrax.Kvaerno5(root_finder=rf), marks=pytest.mark.slow),
-        lambda rf: diffrax.Kvaerno3(root_finder=rf),
+        pytest.param(lambda rf: diffrax.Kvaerno3(root_finder=rf), marks=pytest.mark.slow),
         lambda rf: diffrax.ImplicitEuler(root_finder=rf),
     ],
     ids=["Kvaerno5", "Kvaerno3", "ImplicitEuler"],
