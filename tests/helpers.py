@@ -5,7 +5,10 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from diffrax_linearize._interpreter import subjaxprs  # which sub-jaxprs an equation holds
+from diffrax_linearize._interpreter import (  # the engine's walk over a program
+    iter_eqns,
+    subjaxprs,
+)
 
 
 def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8, check_dtype=True) -> bool:
@@ -117,14 +120,7 @@ def count_matmuls(fn, *args) -> int:
 
 def primitive_names(fn, *args) -> set[str]:
     """The names of every primitive in `jax.make_jaxpr(fn)(*args)`, sub-jaxprs included."""
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield eqn.primitive.name
-            for sub in subjaxprs(eqn):
-                yield from walk(sub)
-
-    return set(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+    return {eqn.primitive.name for eqn in iter_eqns(jax.make_jaxpr(fn)(*args).jaxpr)}
 
 
 def random_normal(key, shape, dtype=jnp.float64):
