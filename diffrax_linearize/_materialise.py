@@ -92,9 +92,15 @@ def _check_inputs(leaves, holomorphic: bool, api: str):
 
 class _Spec:
     """The static part of a materialisation: a jaxpr (compared by its text, so retracing
-    the same function does not recompile), the options, and the jaxpr's integer constants
+    the same function does not recompile), the options, the jaxpr's integer constants
     (indices, known at trace time so that the structure rules can read them; compared by
-    their bytes)."""
+    their bytes), and the constants of its nested closed jaxprs.
+
+    The text of a jaxpr does not show the values of the constants that a nested `jax.jit`
+    closes over (`{ lambda c:f64[4]; a:f64[4]. ... }`): they are compiled into the kernel,
+    and keyed by their bytes, or, when large, by their identity, so that a later call with
+    other values never reuses the kernel. (The spec holds them, so no other array can take
+    their identity while the kernel is cached.)"""
 
     def __init__(
         self, jaxpr, n_diff: int, mode: str, strict: bool, structured: bool, static_consts=None
@@ -109,9 +115,11 @@ class _Spec:
             (i, c.dtype.str, c.shape, hashlib.blake2b(c.tobytes(), digest_size=16).hexdigest())
             for i, c in sorted(self.static_consts.items())
         )
+        self._nested_consts = _nested_consts(jaxpr)
         self._key = (
             str(jaxpr),
             _callable_ids(jaxpr),
+            tuple(_const_key(c) for c in self._nested_consts),
             n_diff,
             mode,
             strict,
@@ -149,6 +157,34 @@ def _split_consts(consts):
         else:
             dynamic.append(c)
     return dynamic, static
+
+
+def _nested_consts(jaxpr) -> list:
+    """The constants of the closed jaxprs held in the equations' parameters, at any depth,
+    in a fixed order (a nested `jax.jit` keeps those it closes over there)."""
+    consts = []
+    for eqn in iter_eqns(jaxpr):
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple | list) else (value,):
+                if _is_closed(item):
+                    consts.extend(item.consts)
+    return consts
+
+
+_HASHED_CONST_SIZE = 1 << 20
+
+
+def _const_key(c):
+    """A key for a constant compiled into the kernel: its bytes while small, else its
+    identity (hashing a large array on every call would cost more than it saves)."""
+    shape, dtype = np.shape(c), jnp.result_type(c)
+    if (
+        not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # PRNG keys have no bytes
+        and math.prod(shape) * dtype.itemsize <= _HASHED_CONST_SIZE
+    ):
+        data = np.ascontiguousarray(np.asarray(c)).tobytes()
+        return shape, dtype.str, hashlib.blake2b(data, digest_size=16).hexdigest()
+    return shape, dtype.str, id(c)
 
 
 def _callable_ids(jaxpr) -> tuple:
@@ -466,7 +502,10 @@ def materialise(
 
     Closed-over arrays are hoisted to arguments of the compiled kernel, and the kernel is
     cached on the text of the jaxpr, so an un-jitted call does not compile the closed-over
-    arrays into the program, and a repeated call does not recompile.
+    arrays into the program, and a repeated call does not recompile. Arrays closed over
+    inside a nested `jax.jit` are part of that inner program, as they are for JAX: they
+    are compiled in, and the cache is keyed on their values (their identity past 1 MiB),
+    so another array in their place compiles anew and never reuses a stale kernel.
 
     Also accepts a `diffrax.AbstractTerm` as first argument, `materialise(term, t, y, args)`:
     see [Diffrax terms](terms.md).

@@ -919,6 +919,73 @@ def test_closed_over_array_not_a_constant():
     assert len(jax.jit(lambda x: A @ x).lower(x).as_text()) > n * n
 
 
+# The same program text closing over other constants, at each level of nesting: the kernel
+# cached for the first constants must never be reused for the second (a nested `jax.jit`
+# keeps its closed-over arrays in its own closed jaxpr, which the jaxpr's text does not show).
+def _scale_by(c):
+    return lambda z: (c @ jnp.sin(z)) if c.ndim == 2 else c * jnp.sin(z)
+
+
+_NESTINGS = {
+    "plain": lambda g: g,
+    "jit": lambda g: jax.jit(g),
+    "jit_in_jit": lambda g: jax.jit(lambda z: jax.jit(g)(z) + z),
+    "scan": lambda g: (
+        lambda z: jax.lax.scan(lambda carry, _: (jax.jit(g)(carry), None), z, None, length=2)[0]
+    ),
+    "fori_loop": lambda g: lambda z: jax.lax.fori_loop(0, 2, lambda i, w: jax.jit(g)(w), z),
+    "while_loop": lambda g: (
+        lambda z: jax.lax.while_loop(
+            lambda s: s[0] < 2, lambda s: (s[0] + 1, jax.jit(g)(s[1])), (0, z)
+        )[1]
+    ),
+    "cond": lambda g: lambda z: jax.lax.cond(z[0] < 100.0, jax.jit(g), lambda w: w, z),
+    "custom_jvp": lambda g: _with_custom_jvp(jax.jit(g)),
+    "checkpoint": lambda g: jax.checkpoint(jax.jit(g)),
+    "vmap": lambda g: lambda z: jax.vmap(jax.jit(g))(z[None])[0],
+}
+
+
+def _with_custom_jvp(g):
+    @jax.custom_jvp
+    def h(z):
+        return g(z)
+
+    h.defjvp(lambda primals, tangents: jax.jvp(g, primals, tangents))
+    return h
+
+
+# Small constants are keyed by their bytes; past 1 MiB, by their identity.
+@pytest.mark.parametrize(
+    "nesting, shape",
+    [(n, (4,)) for n in sorted(_NESTINGS)] + [("jit", (400, 400)), ("scan", (400, 400))],
+)
+def test_closed_over_constants_never_stale(nesting, shape):
+    wrap = _NESTINGS[nesting]
+    y = jnp.linspace(0.1, 0.9, shape[-1])
+    for value in (2.0, 3.0):
+        c = jnp.full(shape, value)  # a new array each time, of the same shape
+        fn = wrap(_scale_by(c))
+        expected = jax.jacfwd(fn)(y)
+        np.testing.assert_allclose(dl.materialise(fn, y), expected, rtol=1e-14)
+        np.testing.assert_allclose(jax.jit(dl.materialise, static_argnums=0)(fn, y), expected)
+        op = dl.materialise_operator(fn, y)
+        np.testing.assert_allclose(op.as_matrix(), expected, rtol=1e-14)
+
+
+@pytest.mark.parametrize("nesting", ["jit", "scan", "cond"])
+def test_closed_over_indices_never_stale(nesting):
+    # Integer constants are read by the structure rules at trace time: a gather's indices.
+    wrap = _NESTINGS[nesting]
+    y = jnp.linspace(0.1, 0.9, 5)
+    for perm in ([4, 3, 2, 1, 0], [1, 2, 3, 4, 0]):
+        idx = jnp.array(perm)
+        fn = wrap(lambda z: z[idx] * 2.0)
+        np.testing.assert_array_equal(dl.materialise(fn, y), jax.jacfwd(fn)(y))
+        op = dl.materialise_operator(fn, y)
+        np.testing.assert_array_equal(op.as_matrix(), jax.jacfwd(fn)(y))
+
+
 # ---- strict mode --------------------------------------------------------------------------
 
 
