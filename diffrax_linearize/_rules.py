@@ -955,6 +955,12 @@ def _div_rule(ctx, eqn, vals):
     return [Lin(blocks, aval.shape, aval.dtype)]
 
 
+def _where(val, mask):
+    if is_known(val) and is_known(mask):
+        return np.where(mask, val, np.zeros((), val.dtype))
+    return jnp.where(mask, val, jnp.zeros((), val.dtype))
+
+
 @register_rule(prim("select_n"))
 def _select_n_rule(ctx, eqn, vals):
     pred, *cases = vals
@@ -976,10 +982,11 @@ def _select_n_rule(ctx, eqn, vals):
             sel = None if pred_known is None else pred_known == k
         if sel is not None:
             mask = np.asarray(sel)
-        mask = mask.astype(aval.dtype) if is_known(mask) else jnp.asarray(mask).astype(aval.dtype)
         blocks = {}
         for p, b in x.blocks.items():
-            b = _scale(b, mask)
+            # A select, not a product with the mask: a NaN or inf tangent in an entry that
+            # is not selected (the masked self-term of a pairwise field) must not leak.
+            b = _scale(b, mask, combine=_where)
             if b.ell is not None and sel is not None:
                 live = b.ell.full_mask() & np.broadcast_to(sel, aval.shape)[None]
                 b = simplify(

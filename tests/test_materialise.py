@@ -986,6 +986,39 @@ def test_closed_over_indices_never_stale(nesting):
         np.testing.assert_array_equal(op.as_matrix(), jax.jacfwd(fn)(y))
 
 
+# Pairwise fields whose self term is masked away (gravity, Coulomb, any N-body model): the
+# masked entries' tangents are NaN (0 / 0), and `jax.jacfwd` is finite because a select
+# drops them; a product with a zero mask would not.
+def _pairwise(mask):
+    def field(p):
+        d = p[:, None, :] - p[None, :, :]
+        r = jnp.sqrt(jnp.sum(d**2, axis=-1, keepdims=True))
+        return jnp.sum(mask(d / r**3, p.shape[0]), axis=1)
+
+    return field
+
+
+_MASKS = {
+    "where": lambda q, n: jnp.where(jnp.eye(n, dtype=bool)[..., None], 0.0, q),
+    "at_set": lambda q, n: q.at[jnp.arange(n), jnp.arange(n)].set(0.0),
+    "select_n": lambda q, n: jax.lax.select_n(
+        jnp.broadcast_to(jnp.eye(n, dtype=bool)[..., None], q.shape), q, jnp.zeros_like(q)
+    ),
+}
+
+
+@pytest.mark.parametrize("mask", sorted(_MASKS))
+def test_masked_nan_tangents_do_not_leak(mask):
+    p = jax.random.normal(jax.random.key(3), (5, 3))
+    fn = _pairwise(_MASKS[mask])
+    expected = jax.jacfwd(fn)(p)
+    assert np.isfinite(expected).all()
+    np.testing.assert_allclose(dl.materialise(fn, p), expected, rtol=1e-12, atol=1e-14)
+    flat = lambda x: fn(x.reshape(p.shape)).ravel()
+    op = dl.materialise_operator(flat, p.ravel())
+    np.testing.assert_allclose(op.as_matrix(), expected.reshape(15, 15), rtol=1e-12, atol=1e-14)
+
+
 # ---- strict mode --------------------------------------------------------------------------
 
 
