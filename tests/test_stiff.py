@@ -20,7 +20,7 @@ def robertson(t, y, args):
     return robertson_stack(y)  # the structure benchmark's N Robertson systems
 
 
-def _robertson_solve(solver, N=4, t1=10.0):
+def _robertson_solve(solver, N=4, t1=10.0, tols=(1e-6, 1e-8)):
     y0 = jnp.tile(jnp.array([1.0, 0.0, 0.0]), N) * (1 + 0.1 * jnp.arange(3 * N) / (3 * N))
     return diffrax.diffeqsolve(
         diffrax.ODETerm(robertson),
@@ -30,7 +30,7 @@ def _robertson_solve(solver, N=4, t1=10.0):
         None,
         y0,
         saveat=diffrax.SaveAt(ts=jnp.linspace(0, t1, 5)),
-        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
+        stepsize_controller=diffrax.PIDController(rtol=tols[0], atol=tols[1]),
         max_steps=100_000,
     )
 
@@ -62,15 +62,39 @@ def _ours_and_default(terms, solver_cls, y0, t1):
     ids=["Kvaerno5", "Kvaerno3", "ImplicitEuler"],
 )
 def test_very_chord_drop_in(make):
-    """The same steps and the same solution as Diffrax's default root finder."""
-    default = _robertson_solve(make(diffrax.with_stepsize_controller_tols(diffrax.VeryChord)()))
+    """The solution to the tolerances, as with Diffrax's default root finder, with few
+    rejected steps. (Not the same steps: Diffrax 0.7.2's `VeryChord` reports a chord
+    iteration that has not converged after two steps as a divergence, and rejects about
+    half of all Runge-Kutta steps; see `test_chord_iterates_past_two_steps`.)"""
     ours = _robertson_solve(make(dl.VeryChord()))
-    assert ours.stats["num_accepted_steps"] == default.stats["num_accepted_steps"]
-    assert ours.stats["num_rejected_steps"] == default.stats["num_rejected_steps"]
-    assert_tree_allclose(ours.ys, default.ys, rtol=1e-8, atol=1e-12)
+    reference = _robertson_solve(diffrax.Kvaerno5(), tols=(1e-12, 1e-14))
+    # The stiff test set's mixed error (atol / rtol + |y| scales each component): a global
+    # error, some multiple of the local tolerance 1e-6. Kvaerno5 gives 1e-7 here; the
+    # first-order ImplicitEuler 4e-4, with Diffrax's root finder too (the same steps).
+    error = np.max(np.abs(ours.ys - reference.ys) / (1e-8 / 1e-6 + np.abs(reference.ys)))
+    assert error < 1e-3, error
+    accepted, rejected = ours.stats["num_accepted_steps"], ours.stats["num_rejected_steps"]
+    assert rejected <= 0.2 * accepted + 2, (accepted, rejected)
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("root_finder", [dl.VeryChord, dl.Newton])
+def test_chord_iterates_past_two_steps(root_finder):
+    """A root find whose chord iteration converges linearly (rate at most 0.5) takes more
+    than two steps and succeeds; reporting the unconverged second step as a divergence
+    (optimistix issue #221) would fail it."""
+    fn = lambda y, args: y + 0.3 * jnp.sin(y) - args
+    solver = root_finder(rtol=1e-10, atol=1e-12, norm=optx.max_norm)
+    y0 = jnp.array([0.0, 0.5])
+    args = jnp.array([1.0, 2.0])
+    # The chord's Jacobian stays that at y0, so only the chord is slow: Newton converges in
+    # a few steps, and both must succeed.
+    sol = optx.root_find(fn, solver, y0, args, max_steps=100, throw=False)
+    assert sol.result == optx.RESULTS.successful
+    np.testing.assert_allclose(fn(sol.value, args), 0.0, atol=1e-9)
+    if root_finder is dl.VeryChord:
+        assert sol.stats["num_steps"] > 2
+
+
 def test_newton_solves_the_same_problem():
     reference = _robertson_solve(diffrax.Kvaerno5(), N=2)
     ours = _robertson_solve(diffrax.Kvaerno5(root_finder=dl.Newton()), N=2)
