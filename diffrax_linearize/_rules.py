@@ -744,7 +744,8 @@ def _data_movement(ctx, eqn, vals, codes=None):
         c = out_codes[k]
         blocks = {}
         for p in leaves:
-            operands = [i for i in offsets if p in vals[i].blocks]
+            # An empty operand (a zero-size update) has no rows to gather from.
+            operands = [i for i in offsets if p in vals[i].blocks and sizes[i]]
             if not operands:
                 continue
             # Global code - 1 -> row in the stacked rows of the operands holding leaf p.

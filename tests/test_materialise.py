@@ -203,6 +203,14 @@ def _(dt):
     return lambda x: lax.dynamic_update_slice(x, jnp.sin(x[:2]), (3,)), (_input((5,), dt),)
 
 
+@case("dynamic_update_slice_empty_update", argnums=(0, 1))
+def _(dt):
+    # An update with no elements: the output is the operand, and its block w.r.t. the
+    # update has no columns.
+    fn = lambda x, u: lax.dynamic_update_slice(jnp.sin(x), 2 * u, (2, 1))
+    return fn, (_input((4, 3), dt), _input((0, 2), dt, 1))
+
+
 @case("pad_negative_interior")
 def _(dt):
     return lambda x: lax.pad(x, jnp.zeros((), dt), [(1, -1, 1), (-1, 2, 0)]), (_input((3, 4), dt),)
