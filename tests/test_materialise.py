@@ -987,6 +987,36 @@ def test_while_loop_has_a_rule():
     assert_tree_allclose(out, jax.jacfwd(fn)(x), rtol=1e-12)
 
 
+def test_vmap_of_while_loop_with_data_dependent_trip_count():
+    """Under `vmap`, a `while` loop whose trip count depends on the data has a batched
+    predicate: each lane stops on its own (a carry keeps its value where its lane's
+    predicate is false). The structure is kept: diagonal, block-diagonal."""
+
+    def scalar(x):
+        return lax.while_loop(lambda c: c[0] < 3.0, lambda c: (c[0] + c[1], 1.5 * c[1]), (x, x))
+
+    def stencil(u):
+        def body(c):
+            n, u = c
+            return n + jnp.sum(u**2), u + 0.1 * (jnp.roll(u, 1) - 2 * u) * jnp.cos(u)
+
+        return lax.while_loop(lambda c: c[0] < 5.0, body, (0.0, u))[1]
+
+    cases = [
+        (jax.vmap(scalar), jnp.asarray([0.5, 1.0, 2.0, 4.0], jnp.float32), "diagonal"),
+        (jax.vmap(stencil), 0.5 + jnp.abs(_input((4, 5), jnp.float64)), "block-diagonal 4 x 5"),
+        (jax.vmap(jax.vmap(stencil)), jnp.abs(_input((2, 2, 5), jnp.float64)), "block-diagonal"),
+    ]
+    for fn, x, kind in cases:
+        tol = _TOL[x.dtype.type]
+        assert_tree_allclose(dl.materialise(fn, x, strict=True), jax.jacfwd(fn)(x), **tol)
+        assert dl.structure_report(fn, x).kinds[-1].startswith(kind)
+    fn, x, _ = cases[1]
+    v = _input(x.shape, x.dtype, 1)
+    mv = dl.materialise_operator(fn, x).mv(v)
+    assert_tree_allclose(mv, jax.jvp(fn, (x,), (v,))[1], **_TOL[jnp.float64])
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 
