@@ -937,9 +937,22 @@ def _mul_rule(ctx, eqn, vals):
         return NotImplemented  # a product of two linear values is not linear
     aval = _out_aval(eqn)
     x = _to_shape(vals[pos], aval.shape)
-    c = vals[1 - pos]
-    blocks = {p: _cast(_scale(b, c), aval.dtype) for p, b in x.blocks.items()}
+    # `mul` with `out_dtype` (or its transpose, with mixed inputs) casts both operands to
+    # the output dtype first: so do we, never relying on implicit promotion.
+    c = _in_dtype(_const_array(vals[1 - pos]), aval.dtype)
+    blocks = {p: _scale(_cast(b, aval.dtype), c) for p, b in x.blocks.items()}
     return [Lin(blocks, aval.shape, aval.dtype)]
+
+
+def _in_dtype(c, dtype):
+    """The constant `c` cast to `dtype` (a complex one to its real part for a real dtype)."""
+    if c.dtype == dtype:
+        return c
+    if jnp.issubdtype(c.dtype, jnp.complexfloating) and not jnp.issubdtype(
+        dtype, jnp.complexfloating
+    ):
+        c = c.real
+    return c.astype(dtype)
 
 
 @register_rule(prim("div"))
@@ -1104,11 +1117,13 @@ def _dot_general_rule(ctx, eqn, vals):
     if pos is None:
         return NotImplemented
     aval = _out_aval(eqn)
-    a = _const_array(vals[1 - pos])
+    # Operands of another dtype than the output (`preferred_element_type`, mixed inputs)
+    # are cast to the output dtype first, as `dot_general`'s lowering does on CPU and GPU.
+    a = _in_dtype(_const_array(vals[1 - pos]), aval.dtype)
     precision = eqn.params.get("precision")
     blocks = {
         p: _dot_block(
-            b,
+            _cast(b, aval.dtype),
             a,
             pos == 0,
             eqn.params["dimension_numbers"],

@@ -1017,6 +1017,47 @@ def test_vmap_of_while_loop_with_data_dependent_trip_count():
     assert_tree_allclose(mv, jax.jvp(fn, (x,), (v,))[1], **_TOL[jnp.float64])
 
 
+def test_mixed_precision_under_strict_promotion():
+    """`lax.mul(..., out_dtype=...)` and `dot_general(..., preferred_element_type=...)` of
+    float32 values computing in float64, in loops, and their transposes (`jax.grad` of
+    them: products of a float32 and a float64 operand) under strict dtype promotion: the
+    rules cast explicitly, as the primitives do (a float64 output is `jax.jacfwd`'s
+    exactly)."""
+    A = _const((3, 3), 40, jnp.float32)
+
+    def mul(x):
+        return lax.mul(x, jnp.sin(x), out_dtype=jnp.float64)
+
+    def dot(x):
+        dimension_numbers = (((1,), (0,)), ((), ()))
+        return lax.dot_general(A, jnp.sin(x), dimension_numbers, preferred_element_type=jnp.float64)
+
+    def in_scan(g):
+        return lambda x: lax.scan(lambda c, _: (0.5 * c + g(x), None), jnp.zeros(3), length=2)[0]
+
+    def in_fori(g):
+        return lambda x: lax.fori_loop(0, 2, lambda i, c: 0.5 * c + g(x), jnp.zeros(3))
+
+    def in_while(g):
+        body = lambda c: (c[0] + 1, 0.5 * c[1] + g(c[2]), c[2])
+        return lambda x: lax.while_loop(lambda c: c[0] < 2, body, (0, jnp.zeros(3), x))[1]
+
+    def second(fn):  # `jax.grad` cannot run through `while`
+        return jax.grad(lambda x: jnp.sum(fn(x)).astype(jnp.float32))
+
+    x = _input((3,), jnp.float32)
+    with jax.numpy_dtype_promotion("strict"):
+        for g in (mul, dot):
+            for fn in (in_scan(g), in_fori(g), in_while(g)):
+                np.testing.assert_array_equal(dl.materialise(fn, x), jax.jacfwd(fn)(x))
+            for f in (in_scan(g), in_fori(g), second(in_scan(g)), second(in_fori(g))):
+                expected = jax.jacfwd(f)(x)
+                for mode in ("forward", "reverse"):
+                    out = dl.materialise(f, x, mode=mode)
+                    assert out.dtype == expected.dtype
+                    assert_tree_allclose(out, expected, **_TOL[jnp.float32])
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 
