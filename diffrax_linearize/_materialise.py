@@ -288,7 +288,10 @@ def _structured_jacobian(spec: _Spec, consts, diff, rest):
     if mode == "auto":
         n_in = sum(math.prod(s) for s in in_shapes)
         n_out = sum(math.prod(a.shape) for a in out_avals)
-        mode = "reverse" if n_out < n_in else "forward"
+        # Reverse mode computes in the outputs' dtype and rounds to the inputs': only where
+        # every dtype is the same is it `jax.jacfwd`'s result (up to summation order).
+        dtypes = {jnp.result_type(x) for x in diff} | {a.dtype for a in out_avals}
+        mode = "reverse" if n_out < n_in and len(dtypes) == 1 else "forward"
     if mode == "reverse" and all(jnp.issubdtype(a.dtype, jnp.floating) for a in out_avals):
         try:
             return _reverse(f_jvp, diff, out_avals)
@@ -478,9 +481,11 @@ def materialise(
     - `argnums`: an int or a tuple of ints, as for `jax.jacfwd`.
     - `holomorphic`: as for `jax.jacfwd`: complex inputs and outputs, complex-linear `fn`.
     - `mode`: `"forward"`, `"reverse"`, or `"auto"` (the default: reverse when the outputs
-      are smaller than the inputs, as one would choose between `jax.jacfwd` and
-      `jax.jacrev`). These are lineax's `jac="fwd"` and `jac="bwd"`; the result is the
-      same either way, up to rounding.
+      are smaller than the inputs and all inputs and outputs have the same dtype, as one
+      would choose between `jax.jacfwd` and `jax.jacrev`; reverse mode would round a
+      float64 Jacobian of a float16 input to float16, as `jax.jacrev` does). These are
+      lineax's `jac="fwd"` and `jac="bwd"`; the result is the same either way, up to
+      rounding.
     - `strict`: raise a `ValueError` naming every primitive that took the dense fallback.
 
     **Returns:**

@@ -649,6 +649,20 @@ def test_auto_mode():
         assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), **_TOL[jnp.float64])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_auto_mode_keeps_precision(dtype):
+    """More inputs than outputs, but the inputs are of lower precision than the float64
+    outputs: reverse mode (`jax.jacrev`) would round the Jacobian to the inputs' dtype, so
+    `auto` goes forward and equals `jax.jacfwd`."""
+    A = _const((2, 6), 35, jnp.float64)
+    fn = lambda x: A @ jnp.sin(x.astype(jnp.float64))
+    x = _input((6,), dtype)
+    expected = jax.jacfwd(fn)(x)
+    assert expected.dtype == jnp.float64
+    np.testing.assert_allclose(dl.materialise(fn, x), expected, rtol=1e-14, atol=0)
+    assert not np.allclose(jax.jacrev(fn)(x), expected, rtol=1e-10, atol=0)  # what reverse gives
+
+
 def test_complex_output_auto_mode():
     # Fewer outputs than inputs selects reverse mode; a real-to-complex map must not lose
     # the imaginary part of its Jacobian there.
