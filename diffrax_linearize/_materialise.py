@@ -558,6 +558,12 @@ def materialise_operator(
 
     **Returns:** a `lineax.AbstractLinearOperator` from the differentiated argument's
     structure to `fn`'s output structure.
+
+    The operator is for solves: its `mv` is `jax.jvp` of `fn`, so a NaN or infinite
+    derivative (a function outside its domain) affects only the entries it multiplies.
+    Its `as_matrix()` is lineax's matrix of the operator, which for a diagonal operator
+    is NaN only on the diagonal; [`diffrax_linearize.materialise`][] is the one that
+    returns `jax.jacfwd`'s array exactly, whole NaN rows included.
     """
     api = "diffrax_linearize.materialise_operator"
     _check_mode(mode, api)

@@ -1072,6 +1072,33 @@ def test_mixed_precision_under_strict_promotion():
                     assert_tree_allclose(out, expected, **_TOL[jnp.float32])
 
 
+_OUTSIDE_DOMAIN = {
+    "arccos": (jnp.arccos, [2.0, 0.5, -3.0, 0.1]),
+    "arcsin": (jnp.arcsin, [2.0, 0.5, 0.1, -1.5]),
+    "arccosh": (jnp.arccosh, [0.5, 2.0, 1.5, 3.0]),
+    "float_power": (lambda x: jnp.float_power(x, 0.5), [-1.0, 2.0, 3.0, -4.0]),
+    "logaddexp": (lambda x: jnp.logaddexp(x, x), [-jnp.inf, 1.0, jnp.inf, 0.0]),
+}
+
+
+@pytest.mark.parametrize("name", list(_OUTSIDE_DOMAIN))
+def test_nan_derivatives_as_jacfwd(name):
+    """Outside a function's domain its derivative is NaN, and `jax.jacfwd`'s whole row is
+    NaN (the identity basis times NaN): `materialise` returns that array exactly, for 0-d,
+    1-D and 2-D inputs. The operator is for solves: its `mv` is `jax.jvp`, NaN only where
+    the derivative is."""
+    fn, points = _OUTSIDE_DOMAIN[name]
+    x = jnp.asarray(points, jnp.float64)
+    for x in (x[0], x, x.reshape(2, 2)):
+        expected = jax.jacfwd(fn)(x)
+        assert np.isnan(expected).any()
+        np.testing.assert_array_equal(dl.materialise(fn, x), expected)
+        np.testing.assert_array_equal(dl.materialise(fn, x, mode="reverse"), expected)
+        op = dl.materialise_operator(fn, x)
+        for v in (jnp.ones_like(x), _input(x.shape, jnp.float64)):
+            np.testing.assert_array_equal(op.mv(v), jax.jvp(fn, (x,), (v,))[1])
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 
