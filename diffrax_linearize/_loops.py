@@ -379,6 +379,21 @@ def _while_rule(ctx: Context, eqn, vals):
         return NotImplemented
     avals = [v.aval for v in eqn.outvars]
     probe_ctx = Context(in_shapes=ctx.in_shapes)
+    # Under `vmap` with a data-dependent trip count the predicate is batched: the loop runs
+    # while any lane's predicate holds, and each carry keeps its old value in the lanes
+    # whose predicate is false (`while`'s batched semantics). Those leading out axes must
+    # then be in every linear carry's `val`, to select along them.
+    lanes = len(cond.out_avals[0].shape)
+
+    def along_lanes(structures):
+        if not lanes:
+            return structures
+        return [
+            None
+            if t is None
+            else {p: b.broadcast_labels(b.out_labels[:lanes]).canonical() for p, b in t.items()}
+            for t in structures
+        ]
 
     def step(templates):
         found = []
@@ -389,11 +404,12 @@ def _while_rule(ctx: Context, eqn, vals):
             return [0.0]
 
         jax.eval_shape(run, _placeholders(templates, avals))
-        return _structures(found[0])
+        return along_lanes(_structures(found[0]))
 
-    templates = _fixed_point(_initial_templates(init, avals), avals, step)
+    templates = _fixed_point(along_lanes(_initial_templates(init, avals)), avals, step)
     if templates is None:
         return dense_fallback(ctx, eqn, vals)
+    templates = along_lanes(templates)
 
     def constants(flat):
         """The carries with zeros for the linear ones: the predicate does not use them."""
@@ -402,14 +418,46 @@ def _while_rule(ctx: Context, eqn, vals):
             jnp.zeros(a.shape, a.dtype) if isinstance(c, Lin) else c for c, a in zip(carries, avals)
         ]
 
-    def cond_fn(flat):
+    def predicate(flat):
         (pred,) = eval_jaxpr(cond.jaxpr, cond.consts, list(cond_consts) + constants(flat), bind_eqn)
         return pred
+
+    def cond_fn(flat):
+        return jnp.any(predicate(flat)) if lanes else predicate(flat)
 
     def body_fn(flat):
         carries = _rebuild(templates, avals, flat)
         outs = interpret(ctx, body.jaxpr, body.consts, body_consts + carries)
-        return _flatten(templates, outs)
+        new = _flatten(templates, outs)
+        if not lanes:
+            return new
+        pred = predicate(flat)
+        return [
+            jnp.where(_lanes_of(pred, label_lanes, np.ndim(v)), v, old)
+            for v, old, label_lanes in zip(new, flat, _lane_axes(templates, avals, lanes))
+        ]
 
     final = lax.while_loop(cond_fn, body_fn, _flatten(templates, init))
     return _rebuild(templates, avals, final)
+
+
+def _lane_axes(templates, avals, lanes: int):
+    """For each flat value of the carries: the axes of it that are the predicate's (the
+    first `lanes` out axes), in order."""
+    axes = []
+    for t, aval in zip(templates, avals):
+        if t is None:
+            axes.append(tuple(range(lanes)))
+            continue
+        for _, b in sorted(t.items()):
+            axes.append(tuple(b.val_labels.index(label) for label in b.out_labels[:lanes]))
+    return axes
+
+
+def _lanes_of(pred, axes, ndim: int):
+    """`pred` placed along `axes` of an array of `ndim` axes, to broadcast against it."""
+    order = sorted(range(len(axes)), key=lambda a: axes[a])
+    shape = [1] * ndim
+    for a in order:
+        shape[axes[a]] = pred.shape[a]
+    return jnp.transpose(pred, order).reshape(shape)

@@ -324,7 +324,10 @@ def _structured_jacobian(spec: _Spec, consts, diff, rest):
     if mode == "auto":
         n_in = sum(math.prod(s) for s in in_shapes)
         n_out = sum(math.prod(a.shape) for a in out_avals)
-        mode = "reverse" if n_out < n_in else "forward"
+        # Reverse mode computes in the outputs' dtype and rounds to the inputs': only where
+        # every dtype is the same is it `jax.jacfwd`'s result (up to summation order).
+        dtypes = {jnp.result_type(x) for x in diff} | {a.dtype for a in out_avals}
+        mode = "reverse" if n_out < n_in and len(dtypes) == 1 else "forward"
     if mode == "reverse" and all(jnp.issubdtype(a.dtype, jnp.floating) for a in out_avals):
         try:
             return _reverse(f_jvp, diff, out_avals)
@@ -517,9 +520,11 @@ def materialise(
     - `argnums`: an int or a tuple of ints, as for `jax.jacfwd`.
     - `holomorphic`: as for `jax.jacfwd`: complex inputs and outputs, complex-linear `fn`.
     - `mode`: `"forward"`, `"reverse"`, or `"auto"` (the default: reverse when the outputs
-      are smaller than the inputs, as one would choose between `jax.jacfwd` and
-      `jax.jacrev`). These are lineax's `jac="fwd"` and `jac="bwd"`; the result is the
-      same either way, up to rounding.
+      are smaller than the inputs and all inputs and outputs have the same dtype, as one
+      would choose between `jax.jacfwd` and `jax.jacrev`; reverse mode would round a
+      float64 Jacobian of a float16 input to float16, as `jax.jacrev` does). These are
+      lineax's `jac="fwd"` and `jac="bwd"`; the result is the same either way, up to
+      rounding.
     - `strict`: raise a `ValueError` naming every primitive that took the dense fallback.
 
     **Returns:**
@@ -592,6 +597,12 @@ def materialise_operator(
 
     **Returns:** a `lineax.AbstractLinearOperator` from the differentiated argument's
     structure to `fn`'s output structure.
+
+    The operator is for solves: its `mv` is `jax.jvp` of `fn`, so a NaN or infinite
+    derivative (a function outside its domain) affects only the entries it multiplies.
+    Its `as_matrix()` is lineax's matrix of the operator, which for a diagonal operator
+    is NaN only on the diagonal; [`diffrax_linearize.materialise`][] is the one that
+    returns `jax.jacfwd`'s array exactly, whole NaN rows included.
     """
     api = "diffrax_linearize.materialise_operator"
     _check_mode(mode, api)

@@ -80,8 +80,8 @@ class BlockDiagonalLinearOperator(lx.AbstractLinearOperator):
         size = blocks.shape[0] * blocks.shape[1]
         default = jax.ShapeDtypeStruct((size,), blocks.dtype)
         self.blocks = blocks
-        self.input_structure = input_structure or default
-        self.output_structure = output_structure or default
+        self.input_structure = default if input_structure is None else input_structure
+        self.output_structure = default if output_structure is None else output_structure
         _structs_match(self, size, size)
 
     def mv(self, vector):
@@ -149,8 +149,8 @@ class BandedLinearOperator(lx.AbstractLinearOperator):
         default = jax.ShapeDtypeStruct((n,), diagonals.dtype)
         self.diagonals = diagonals
         self.offsets = offsets
-        self.input_structure = input_structure or default
-        self.output_structure = output_structure or default
+        self.input_structure = default if input_structure is None else input_structure
+        self.output_structure = default if output_structure is None else output_structure
         _structs_match(self, n, n)
 
     @property
@@ -244,9 +244,10 @@ class SparseLinearOperator(lx.AbstractLinearOperator):
         self.values = values
         self.columns = StaticArray(columns.astype(np.int32))
         self.input_structure = input_structure
-        self.output_structure = output_structure or jax.ShapeDtypeStruct(
-            (values.shape[0],), values.dtype
-        )
+        # Not `output_structure or ...`: the truth value of a 0-d structure is an error.
+        if output_structure is None:
+            output_structure = jax.ShapeDtypeStruct((values.shape[0],), values.dtype)
+        self.output_structure = output_structure
         _structs_match(self, n_in, values.shape[0])
 
     def mv(self, vector):

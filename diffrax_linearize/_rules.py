@@ -744,7 +744,8 @@ def _data_movement(ctx, eqn, vals, codes=None):
         c = out_codes[k]
         blocks = {}
         for p in leaves:
-            operands = [i for i in offsets if p in vals[i].blocks]
+            # An empty operand (a zero-size update) has no rows to gather from.
+            operands = [i for i in offsets if p in vals[i].blocks and sizes[i]]
             if not operands:
                 continue
             # Global code - 1 -> row in the stacked rows of the operands holding leaf p.
@@ -936,9 +937,22 @@ def _mul_rule(ctx, eqn, vals):
         return NotImplemented  # a product of two linear values is not linear
     aval = _out_aval(eqn)
     x = _to_shape(vals[pos], aval.shape)
-    c = vals[1 - pos]
-    blocks = {p: _cast(_scale(b, c), aval.dtype) for p, b in x.blocks.items()}
+    # `mul` with `out_dtype` (or its transpose, with mixed inputs) casts both operands to
+    # the output dtype first: so do we, never relying on implicit promotion.
+    c = _in_dtype(_const_array(vals[1 - pos]), aval.dtype)
+    blocks = {p: _scale(_cast(b, aval.dtype), c) for p, b in x.blocks.items()}
     return [Lin(blocks, aval.shape, aval.dtype)]
+
+
+def _in_dtype(c, dtype):
+    """The constant `c` cast to `dtype` (a complex one to its real part for a real dtype)."""
+    if c.dtype == dtype:
+        return c
+    if jnp.issubdtype(c.dtype, jnp.complexfloating) and not jnp.issubdtype(
+        dtype, jnp.complexfloating
+    ):
+        c = c.real
+    return c.astype(dtype)
 
 
 @register_rule(prim("div"))
@@ -1110,11 +1124,13 @@ def _dot_general_rule(ctx, eqn, vals):
     if pos is None:
         return NotImplemented
     aval = _out_aval(eqn)
-    a = _const_array(vals[1 - pos])
+    # Operands of another dtype than the output (`preferred_element_type`, mixed inputs)
+    # are cast to the output dtype first, as `dot_general`'s lowering does on CPU and GPU.
+    a = _in_dtype(_const_array(vals[1 - pos]), aval.dtype)
     precision = eqn.params.get("precision")
     blocks = {
         p: _dot_block(
-            b,
+            _cast(b, aval.dtype),
             a,
             pos == 0,
             eqn.params["dimension_numbers"],

@@ -554,25 +554,33 @@ class Struct:
     def to_dense(self):
         """The block as a plain array of shape `out_shape + in_shape`.
 
-        Built from `val` by broadcasting and multiplying by identity factors: no
-        `dot_general`. Where the block is already dense this is a transpose at most.
+        Built from `val` by broadcasting and selecting along the deltas: no `dot_general`.
+        Off a delta an entry is `0 * v`, `v` the value of its row, not `0`: `jax.jacfwd`
+        multiplies a derivative by the zeros of its identity basis, so a NaN or infinite
+        derivative makes its whole row NaN, and so does this (a product with an identity
+        would not: XLA rewrites it as a select). Where the block is already dense this is
+        a transpose at most.
         """
         if self.ell is not None:
             return self.ell_to_plain().to_dense()
         sizes = self.sizes
         in_labels = list(self.in_labels)
-        operands = [(self.val, self.val_labels)]
+        deltas = []
         for l, label in enumerate(in_labels):
             if label in self.out_labels:
                 new = fresh_label()
                 sizes[new] = sizes[label]
                 in_labels[l] = new
-                operands.append((eye(sizes[label], self.dtype), (label, new)))
+                deltas.append((label, new))
         target = tuple(self.out_labels) + tuple(in_labels)
-        val, labels = contract(operands, target, sizes)
-        full = self.out_shape + self.in_shape
-        val = jnp.asarray(val, dtype=self.dtype)
-        return jnp.broadcast_to(place(val, labels, target), full)
+        val = expand(jnp.asarray(self.val, dtype=self.dtype), self.val_labels, target, sizes)
+        if not deltas:
+            return val
+        on = None
+        for label, new in deltas:
+            eye = place(jnp.eye(sizes[label], dtype=bool), (label, new), target)
+            on = eye if on is None else on & eye
+        return jnp.where(on, val, jnp.zeros((), val.dtype) * val)
 
 
 def _plain_add(a: Struct, b: Struct) -> Struct:

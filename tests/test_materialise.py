@@ -203,6 +203,14 @@ def _(dt):
     return lambda x: lax.dynamic_update_slice(x, jnp.sin(x[:2]), (3,)), (_input((5,), dt),)
 
 
+@case("dynamic_update_slice_empty_update", argnums=(0, 1))
+def _(dt):
+    # An update with no elements: the output is the operand, and its block w.r.t. the
+    # update has no columns.
+    fn = lambda x, u: lax.dynamic_update_slice(jnp.sin(x), 2 * u, (2, 1))
+    return fn, (_input((4, 3), dt), _input((0, 2), dt, 1))
+
+
 @case("pad_negative_interior")
 def _(dt):
     return lambda x: lax.pad(x, jnp.zeros((), dt), [(1, -1, 1), (-1, 2, 0)]), (_input((3, 4), dt),)
@@ -641,6 +649,20 @@ def test_auto_mode():
         assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), **_TOL[jnp.float64])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_auto_mode_keeps_precision(dtype):
+    """More inputs than outputs, but the inputs are of lower precision than the float64
+    outputs: reverse mode (`jax.jacrev`) would round the Jacobian to the inputs' dtype, so
+    `auto` goes forward and equals `jax.jacfwd`."""
+    A = _const((2, 6), 35, jnp.float64)
+    fn = lambda x: A @ jnp.sin(x.astype(jnp.float64))
+    x = _input((6,), dtype)
+    expected = jax.jacfwd(fn)(x)
+    assert expected.dtype == jnp.float64
+    np.testing.assert_allclose(dl.materialise(fn, x), expected, rtol=1e-14, atol=0)
+    assert not np.allclose(jax.jacrev(fn)(x), expected, rtol=1e-10, atol=0)  # what reverse gives
+
+
 def test_complex_output_auto_mode():
     # Fewer outputs than inputs selects reverse mode; a real-to-complex map must not lose
     # the imaginary part of its Jacobian there.
@@ -1077,6 +1099,104 @@ def test_while_loop_has_a_rule():
 
     out = dl.materialise(fn, x, strict=True)
     assert_tree_allclose(out, jax.jacfwd(fn)(x), rtol=1e-12)
+
+
+def test_vmap_of_while_loop_with_data_dependent_trip_count():
+    """Under `vmap`, a `while` loop whose trip count depends on the data has a batched
+    predicate: each lane stops on its own (a carry keeps its value where its lane's
+    predicate is false). The structure is kept: diagonal, block-diagonal."""
+
+    def scalar(x):
+        return lax.while_loop(lambda c: c[0] < 3.0, lambda c: (c[0] + c[1], 1.5 * c[1]), (x, x))
+
+    def stencil(u):
+        def body(c):
+            n, u = c
+            return n + jnp.sum(u**2), u + 0.1 * (jnp.roll(u, 1) - 2 * u) * jnp.cos(u)
+
+        return lax.while_loop(lambda c: c[0] < 5.0, body, (0.0, u))[1]
+
+    cases = [
+        (jax.vmap(scalar), jnp.asarray([0.5, 1.0, 2.0, 4.0], jnp.float32), "diagonal"),
+        (jax.vmap(stencil), 0.5 + jnp.abs(_input((4, 5), jnp.float64)), "block-diagonal 4 x 5"),
+        (jax.vmap(jax.vmap(stencil)), jnp.abs(_input((2, 2, 5), jnp.float64)), "block-diagonal"),
+    ]
+    for fn, x, kind in cases:
+        tol = _TOL[x.dtype.type]
+        assert_tree_allclose(dl.materialise(fn, x, strict=True), jax.jacfwd(fn)(x), **tol)
+        assert dl.structure_report(fn, x).kinds[-1].startswith(kind)
+    fn, x, _ = cases[1]
+    v = _input(x.shape, x.dtype, 1)
+    mv = dl.materialise_operator(fn, x).mv(v)
+    assert_tree_allclose(mv, jax.jvp(fn, (x,), (v,))[1], **_TOL[jnp.float64])
+
+
+def test_mixed_precision_under_strict_promotion():
+    """`lax.mul(..., out_dtype=...)` and `dot_general(..., preferred_element_type=...)` of
+    float32 values computing in float64, in loops, and their transposes (`jax.grad` of
+    them: products of a float32 and a float64 operand) under strict dtype promotion: the
+    rules cast explicitly, as the primitives do (a float64 output is `jax.jacfwd`'s
+    exactly)."""
+    A = _const((3, 3), 40, jnp.float32)
+
+    def mul(x):
+        return lax.mul(x, jnp.sin(x), out_dtype=jnp.float64)
+
+    def dot(x):
+        dimension_numbers = (((1,), (0,)), ((), ()))
+        return lax.dot_general(A, jnp.sin(x), dimension_numbers, preferred_element_type=jnp.float64)
+
+    def in_scan(g):
+        return lambda x: lax.scan(lambda c, _: (0.5 * c + g(x), None), jnp.zeros(3), length=2)[0]
+
+    def in_fori(g):
+        return lambda x: lax.fori_loop(0, 2, lambda i, c: 0.5 * c + g(x), jnp.zeros(3))
+
+    def in_while(g):
+        body = lambda c: (c[0] + 1, 0.5 * c[1] + g(c[2]), c[2])
+        return lambda x: lax.while_loop(lambda c: c[0] < 2, body, (0, jnp.zeros(3), x))[1]
+
+    def second(fn):  # `jax.grad` cannot run through `while`
+        return jax.grad(lambda x: jnp.sum(fn(x)).astype(jnp.float32))
+
+    x = _input((3,), jnp.float32)
+    with jax.numpy_dtype_promotion("strict"):
+        for g in (mul, dot):
+            for fn in (in_scan(g), in_fori(g), in_while(g)):
+                np.testing.assert_array_equal(dl.materialise(fn, x), jax.jacfwd(fn)(x))
+            for f in (in_scan(g), in_fori(g), second(in_scan(g)), second(in_fori(g))):
+                expected = jax.jacfwd(f)(x)
+                for mode in ("forward", "reverse"):
+                    out = dl.materialise(f, x, mode=mode)
+                    assert out.dtype == expected.dtype
+                    assert_tree_allclose(out, expected, **_TOL[jnp.float32])
+
+
+_OUTSIDE_DOMAIN = {
+    "arccos": (jnp.arccos, [2.0, 0.5, -3.0, 0.1]),
+    "arcsin": (jnp.arcsin, [2.0, 0.5, 0.1, -1.5]),
+    "arccosh": (jnp.arccosh, [0.5, 2.0, 1.5, 3.0]),
+    "float_power": (lambda x: jnp.float_power(x, 0.5), [-1.0, 2.0, 3.0, -4.0]),
+    "logaddexp": (lambda x: jnp.logaddexp(x, x), [-jnp.inf, 1.0, jnp.inf, 0.0]),
+}
+
+
+@pytest.mark.parametrize("name", list(_OUTSIDE_DOMAIN))
+def test_nan_derivatives_as_jacfwd(name):
+    """Outside a function's domain its derivative is NaN, and `jax.jacfwd`'s whole row is
+    NaN (the identity basis times NaN): `materialise` returns that array exactly, for 0-d,
+    1-D and 2-D inputs. The operator is for solves: its `mv` is `jax.jvp`, NaN only where
+    the derivative is."""
+    fn, points = _OUTSIDE_DOMAIN[name]
+    x = jnp.asarray(points, jnp.float64)
+    for x in (x[0], x, x.reshape(2, 2)):
+        expected = jax.jacfwd(fn)(x)
+        assert np.isnan(expected).any()
+        np.testing.assert_array_equal(dl.materialise(fn, x), expected)
+        np.testing.assert_array_equal(dl.materialise(fn, x, mode="reverse"), expected)
+        op = dl.materialise_operator(fn, x)
+        for v in (jnp.ones_like(x), _input(x.shape, jnp.float64)):
+            np.testing.assert_array_equal(op.mv(v), jax.jvp(fn, (x,), (v,))[1])
 
 
 # ---- bad input ----------------------------------------------------------------------------

@@ -616,6 +616,23 @@ def test_operator_errors():
         lx.linear_solve(op, jnp.ones(2), dl.StructuredLinearSolver())
 
 
+def test_operator_of_0d_input_transposes():
+    """The Jacobian of `lax.pad` with respect to its 0-d padding value is a sparse column:
+    its transpose has a 0-d output structure (whose truth value is an error, so it must not
+    be tested with `or`)."""
+    x = jnp.arange(1.0, 4.0)
+    fn = lambda v: lax.pad(x, v, [(1, 2, 1)])
+    v = jnp.float64(0.5)
+    op = dl.materialise_operator(fn, v)
+    assert isinstance(op, dl.SparseLinearOperator)
+    ref = jax.jacfwd(fn)(v)
+    np.testing.assert_array_equal(op.as_matrix()[:, 0], ref)
+    u = jnp.arange(1.0, 1.0 + ref.size)
+    assert op.T.out_structure() == jax.ShapeDtypeStruct((), jnp.float64)
+    np.testing.assert_allclose(op.T.mv(u), ref @ u, rtol=1e-14)
+    np.testing.assert_array_equal(op.T.as_matrix(), ref[None])
+
+
 # ---- the sparse fallback ------------------------------------------------------------------
 
 
