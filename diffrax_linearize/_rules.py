@@ -192,16 +192,23 @@ def _scale(block: Struct, c, combine=None) -> Struct:
     )
 
 
-def _apply_along_out(ctx: Context, eqn, vals, positions=None):
+def _apply_along_out(ctx: Context, eqn, vals, positions=None, lost: str | None = None):
     """Apply the equation's primitive to the blocks' values, vectorised over their in-side
     axes. The equation must be linear in the inputs at `positions`. The out axes become
-    dense; the in side keeps its structure where there is a single linear input."""
+    dense; the in side keeps its structure where there is a single linear input.
+
+    `lost` says why a rule that keeps structure in other cases could not here: a pattern
+    (deltas, an `Ell`) made dense is then recorded in `ctx` with that reason, as the dense
+    fallback is, so that `strict=True` and `structure_report` name it. Without `lost` the
+    primitive is one whose result is dense anyway (a solve, an FFT)."""
     if positions is None:
         positions = _lin_positions(vals)
     if len(positions) != 1:
-        return dense_fallback(ctx, eqn, vals)
+        return dense_fallback(ctx, eqn, vals, reason=lost or "several linear inputs")
     (pos,) = positions
     x = vals[pos]
+    if lost is not None and _has_pattern(x):
+        ctx.record(str(eqn.primitive), lost)
     aval = _out_aval(eqn)
     n_out = len(x.shape)
     blocks = {}
@@ -556,6 +563,9 @@ def _dynamic_slice_rule(ctx, eqn, vals):
         }
         return [Lin(blocks, aval.shape, aval.dtype)]
 
+    if axes and _has_pattern(x):
+        ctx.record(str(eqn.primitive), "its start indices are not known at trace time")
+
     def fn(v, positions, fill):
         idx = [jnp.zeros_like(starts[0])] * v.ndim  # starts' int type
         sz = list(v.shape)
@@ -825,7 +835,18 @@ def _gather_scatter_rule(ctx, eqn, vals):
         out = _data_movement(ctx, eqn, vals)
         if out is not NotImplemented:
             return out
-    return _apply_along_out(ctx, eqn, vals)
+    return _apply_along_out(ctx, eqn, vals, lost=_index_reason(eqn, vals))
+
+
+def _index_reason(eqn, vals) -> str:
+    """Why a data-movement equation's pattern is not known at trace time."""
+    if _index_known(eqn, vals):
+        return "too many elements for the pattern's int32 positions"
+    return (
+        "its indices are not known at trace time: they are computed from traced values "
+        "(a data-dependent permutation or selection, as in `jnp.sort`, `lax.top_k` or "
+        "`jnp.argsort`, or a traced offset)"
+    )
 
 
 def _scatter_destinations(eqn, indices, out_shape, updates_shape):
@@ -872,7 +893,7 @@ def _scatter_add_rule(ctx, eqn, vals):
     idx = known(indices)
     lins = [x for x in (operand, updates) if isinstance(x, Lin)]
     if idx is None or not any(_has_pattern(x) for x in lins):
-        return _apply_along_out(ctx, eqn, vals)
+        return _apply_along_out(ctx, eqn, vals, lost=_index_reason(eqn, vals))
     aval = _out_aval(eqn)
     out_shape = tuple(aval.shape)
     upd_shape = tuple(eqn.invars[2].aval.shape)
@@ -1245,7 +1266,13 @@ def _conv_rule(ctx, eqn, vals):
             jax.ShapeDtypeStruct(aval.shape, aval.dtype)
         )
         return interpret(ctx, closed.jaxpr, closed.consts, [rhs])
-    return _apply_along_out(ctx, eqn, vals)
+    if isinstance(rhs, Lin):
+        lost = "batch groups, with the kernel differentiated"
+    elif math.prod(spatial) > _CONV_MAX_WINDOW:
+        lost = f"a kernel window of more than {_CONV_MAX_WINDOW} elements"
+    else:
+        lost = "feature and batch groups together"
+    return _apply_along_out(ctx, eqn, vals, lost=lost)
 
 
 @register_rule(

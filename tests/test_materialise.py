@@ -951,6 +951,12 @@ def test_strict():
     with pytest.raises(ValueError, match="double_without_rule"):
         dl.materialise_operator(fn, x, strict=True)
     assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-12)
+    with pytest.raises(ValueError, match=r"`double_without_rule` \(1x: no structure rule\)"):
+        dl.materialise(fn, x, strict=True)
+    report = dl.structure_report(fn, x)
+    assert report.densified == {"double_without_rule": 1}
+    assert report.reasons == {"double_without_rule": ["no structure rule"]}
+    assert "`double_without_rule` (1x: no structure rule)" in str(report)
 
 
 def test_custom_vjp_in_while_loop():
