@@ -24,7 +24,7 @@ from ._interpreter import (
     Lin,
     subjaxprs,
 )
-from ._operators import sparse_operator
+from ._operators import sparse_operator, SparseLinearOperator
 from ._structure import Struct
 
 
@@ -521,6 +521,10 @@ def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.Abstra
     out_struct = jax.ShapeDtypeStruct(tuple(out_aval.shape), out_aval.dtype)
     in_struct = jax.ShapeDtypeStruct(tuple(in_shape), in_dtype)
     if b is None:
+        m, n = math.prod(out_aval.shape), math.prod(in_shape)
+        if m and n:  # the zero matrix: no entries, no numbers stored
+            values = jnp.zeros((m, 0), out_aval.dtype)
+            return SparseLinearOperator(values, np.zeros((0, m), np.int32), in_struct, out_struct)
         zeros = jnp.zeros(tuple(out_aval.shape) + tuple(in_shape), out_aval.dtype)
         return lx.PyTreeLinearOperator(zeros, out_struct)
     kind = b.kind() if out_aval.dtype == in_dtype else "dtype-changing"
@@ -559,7 +563,8 @@ def materialise_operator(
     `lineax.DiagonalLinearOperator`, a block-diagonal, banded or other sparse pattern a
     [`diffrax_linearize.BlockDiagonalLinearOperator`][],
     `lineax.TridiagonalLinearOperator`, [`diffrax_linearize.BandedLinearOperator`][] or
-    [`diffrax_linearize.SparseLinearOperator`][] (solve them with
+    [`diffrax_linearize.SparseLinearOperator`][] (one with no entries for a zero Jacobian,
+    such as `jnp.floor`'s; solve them with
     [`diffrax_linearize.StructuredLinearSolver`][]), a dense map of vectors a
     `lineax.MatrixLinearOperator`, anything else a `lineax.PyTreeLinearOperator`. With
     pytrees in or out, a `lineax.PyTreeLinearOperator` of the whole Jacobian (its structure
