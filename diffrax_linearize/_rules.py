@@ -695,13 +695,26 @@ def _reduce_sum_rule(b, eqn, vals, pos):
     return _drop_out_axes(summed, axes)
 
 
-@register_rule(prim("cumsum"))
-@_blockwise
-def _cumsum_rule(b, eqn, vals, pos):
+def _cumsum_block(b, eqn, vals, pos):
     axis, reverse = eqn.params["axis"], eqn.params["reverse"]
     b = b.ell_to_plain().densify_out([axis]).canonical()
     a = b.val_labels.index(b.out_labels[axis])
     return b.with_val(lax.cumsum(jnp.asarray(b.val), axis=a, reverse=reverse))
+
+
+@register_rule(prim("cumsum"))
+def _cumsum_rule(ctx, eqn, vals):
+    (x,) = vals
+    axis = eqn.params["axis"]
+    if x.shape[axis] > 1 and any(
+        b.ell is not None or b.out_labels[axis] in b.in_labels for b in x.blocks.values()
+    ):
+        ctx.record(
+            str(eqn.primitive),
+            "a cumulative sum along an axis that is a delta or a pattern is triangular: "
+            "stored dense along that axis",
+        )
+    return _blockwise(_cumsum_block)(ctx, eqn, vals)
 
 
 # ---- data movement with indices known at trace time -----------------------------------

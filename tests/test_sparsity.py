@@ -771,3 +771,21 @@ def test_pool_keeps_the_window_pattern(name):
         sparse = (dl.SparseLinearOperator, dl.BandedLinearOperator, dl.BlockDiagonalLinearOperator)
         assert isinstance(op, sparse), type(op)
         np.testing.assert_array_equal(op.as_matrix(), expected.reshape(-1, 8))
+
+
+def test_unwrap_reports_its_cumsum():
+    # `jnp.unwrap`'s Jacobian is the identity only numerically: the correction's tangent is
+    # masked by predicates computed from the input, then summed cumulatively, a triangular
+    # map stored dense. The report says where.
+    x = jnp.asarray([0.3, 3.5, -2.9, 0.7, 6.1, 1.9])
+    for mode in ("forward", "reverse"):
+        report = dl.structure_report(jnp.unwrap, x, mode=mode)
+        (reason,) = report.reasons["cumsum"]
+        assert "triangular" in reason
+        np.testing.assert_array_equal(
+            dl.materialise(jnp.unwrap, x, mode=mode), jax.jacfwd(jnp.unwrap)(x)
+        )
+    # A cumulative sum of a block already dense along the axis loses nothing.
+    A = jnp.asarray(np.random.RandomState(0).randn(6, 6))
+    report = dl.structure_report(lambda y: jnp.cumsum(A @ y), x)
+    assert not report.densified and not report.reasons
