@@ -59,7 +59,10 @@ class Context:
 
     - `in_shapes`: the shape of each input leaf, in order.
     - `densified`: filled in by `record`: how many equations of each primitive took the
-        dense fallback (what `materialise(..., strict=True)` reports).
+        dense fallback or otherwise lost structure (what `materialise(..., strict=True)`
+        reports).
+    - `reasons`: filled in by `record`: for each primitive in `densified`, why its
+        equations lost structure (each distinct reason once).
     - `coloured`: filled in by `record_colouring`: for each primitive computed by the
         sparse fallback, the number of colours (compressed evaluations) of each of its
         equations.
@@ -68,9 +71,15 @@ class Context:
     in_shapes: list[tuple[int, ...]]
     densified: dict[str, int] = dataclasses.field(default_factory=dict)
     coloured: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    reasons: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
-    def record(self, name: str):
+    def record(self, name: str, reason: str | None = None):
+        """An equation of primitive `name` whose result was made dense, and why."""
         self.densified[name] = self.densified.get(name, 0) + 1
+        if reason is not None:
+            known_reasons = self.reasons.setdefault(name, [])
+            if reason not in known_reasons:
+                known_reasons.append(reason)
 
     def record_colouring(self, name: str, colours: int):
         """An equation computed by the sparse fallback, with `colours` compressed
@@ -321,7 +330,8 @@ def apply_rule(ctx: Context, eqn, vals) -> list:
     rule = lookup_rule(eqn.primitive)
     outs = NotImplemented if rule is None else rule(ctx, eqn, vals)
     if outs is NotImplemented:
-        outs = dense_fallback(ctx, eqn, vals)
+        reason = "no structure rule" if rule is None else "its rule does not cover this case"
+        outs = dense_fallback(ctx, eqn, vals, reason=reason)
     return outs
 
 
@@ -344,16 +354,17 @@ def linear_outputs(eqn, vals) -> list[bool]:
     return out
 
 
-def dense_fallback(ctx: Context, eqn, vals) -> list:
+def dense_fallback(ctx: Context, eqn, vals, reason: str | None = None) -> list:
     """The exact fallback for any equation: for each input leaf, the dense Jacobians of the
     linear inputs are pushed through the equation with `jax.vmap` over the leaf's basis,
     which is exact because the equation is linear in its linear inputs.
 
     **Arguments:** `ctx`, `eqn` (a `JaxprEqn`) and `vals` (its inputs, each a
-    [`Lin`][diffrax_linearize.internal.Lin] or a constant), as a rule receives them; returns
-    one value per output, as a rule does.
+    [`Lin`][diffrax_linearize.internal.Lin] or a constant), as a rule receives them, and
+    optionally the `reason` recorded in `ctx` (why the equation takes the fallback);
+    returns one value per output, as a rule does.
     """
-    ctx.record(str(eqn.primitive))
+    ctx.record(str(eqn.primitive), reason)
     is_lin = linear_outputs(eqn, vals)
     outs: list = [None] * len(eqn.outvars)
     if not all(is_lin):

@@ -340,6 +340,12 @@ class _Permuted(_State):
 @_factor.register(SparseLinearOperator)
 def _(operator, solver, options):
     m, S = operator.values.shape
+    if S == 0:
+        raise ValueError(
+            "`diffrax_linearize.StructuredLinearSolver`: the `SparseLinearOperator` has no "
+            "entries (a zero Jacobian, such as that of `jnp.floor` or `jnp.sign`), so the "
+            "linear system is singular. Check the function whose Jacobian this is."
+        )
     if "preconditioner" not in options and m > 1:
         perm, inv, lower, upper = _banded_ordering(operator)
         width = max(lower, upper, 1)

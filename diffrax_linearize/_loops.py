@@ -221,7 +221,7 @@ def _scan_rule(ctx: Context, eqn, vals):
             return out
         templates = _fixed_point(initial, carry_avals, step)
     if templates is None:
-        return dense_fallback(ctx, eqn, vals)
+        return dense_fallback(ctx, eqn, vals, reason="its carries' structure found no fixed point")
     step(templates)  # the outputs' structures for the fixed-point carries
     ys_templates = [
         None if s is None else {p: join([b], aval.dtype) for p, b in s.items()}
@@ -408,7 +408,7 @@ def _while_rule(ctx: Context, eqn, vals):
 
     templates = _fixed_point(along_lanes(_initial_templates(init, avals)), avals, step)
     if templates is None:
-        return dense_fallback(ctx, eqn, vals)
+        return dense_fallback(ctx, eqn, vals, reason="its carries' structure found no fixed point")
     templates = along_lanes(templates)
 
     def constants(flat):

@@ -24,7 +24,7 @@ from ._interpreter import (
     Lin,
     subjaxprs,
 )
-from ._operators import sparse_operator
+from ._operators import sparse_operator, SparseLinearOperator
 from ._structure import Struct
 
 
@@ -256,8 +256,17 @@ def _eval_forward_differentiable(jaxpr, consts, args):
         return bind_eqn(eqn, vals) if outs is None else outs
 
     # Calls holding a `custom_vjp_call` are inlined: a checkpoint only changes what
-    # reverse mode stores.
-    return eval_jaxpr(jaxpr, consts, args, apply_eqn, inline=lambda eqn, _: _has_custom_vjp(eqn))
+    # reverse mode stores. So are calls given known indices (`jnp.take_along_axis(x, idx)`
+    # is a `jit`): inlined, their index computations are evaluated at trace time too.
+    def inline(eqn, vals):
+        return _has_custom_vjp(eqn) or any(_is_known_index(v) for v in vals)
+
+    return eval_jaxpr(jaxpr, consts, args, apply_eqn, inline=inline)
+
+
+def _is_known_index(x) -> bool:
+    k = known(x)
+    return k is not None and not jnp.issubdtype(k.dtype, jnp.inexact)
 
 
 def _forward_differentiable_closed(closed):
@@ -385,7 +394,7 @@ def _run_dense(spec: _Spec, consts, diff, rest):
 
 def _dense_jacobian(spec: _Spec, consts, diff, rest):
     blocks, ctx = _structured_jacobian(spec, consts, diff, rest)
-    _check_strict(spec, ctx.densified)
+    _check_strict(spec, ctx.densified, ctx.reasons)
     out = []
     for q, row in enumerate(blocks):
         aval = spec.jaxpr.outvars[q].aval
@@ -404,9 +413,19 @@ def _dense_jacobian(spec: _Spec, consts, diff, rest):
     return out
 
 
-def _check_strict(spec: _Spec, densified: dict[str, int]):
+def _densified_names(densified: dict[str, int], reasons: dict[str, list[str]]) -> str:
+    """Each primitive that lost structure, how often, and the reasons recorded for it, as
+    "`gather` (2x: why), `sin` (1x)"."""
+    names = []
+    for k, v in sorted(densified.items()):
+        why = "; ".join(reasons.get(k, ()))
+        names.append(f"`{k}` ({v}x: {why})" if why else f"`{k}` ({v}x)")
+    return ", ".join(names)
+
+
+def _check_strict(spec: _Spec, densified: dict[str, int], reasons=None):
     if spec.strict and densified:
-        names = ", ".join(f"`{k}` ({v}x)" for k, v in sorted(densified.items()))
+        names = _densified_names(densified, reasons or {})
         raise ValueError(
             "`materialise(..., strict=True)`: these primitives took the exact dense fallback "
             f"and lost structure: {names}. Register a rule with "
@@ -546,6 +565,10 @@ def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.Abstra
     out_struct = jax.ShapeDtypeStruct(tuple(out_aval.shape), out_aval.dtype)
     in_struct = jax.ShapeDtypeStruct(tuple(in_shape), in_dtype)
     if b is None:
+        m, n = math.prod(out_aval.shape), math.prod(in_shape)
+        if m and n:  # the zero matrix: no entries, no numbers stored
+            values = jnp.zeros((m, 0), out_aval.dtype)
+            return SparseLinearOperator(values, np.zeros((0, m), np.int32), in_struct, out_struct)
         zeros = jnp.zeros(tuple(out_aval.shape) + tuple(in_shape), out_aval.dtype)
         return lx.PyTreeLinearOperator(zeros, out_struct)
     kind = b.kind() if out_aval.dtype == in_dtype else "dtype-changing"
@@ -584,7 +607,8 @@ def materialise_operator(
     `lineax.DiagonalLinearOperator`, a block-diagonal, banded or other sparse pattern a
     [`diffrax_linearize.BlockDiagonalLinearOperator`][],
     `lineax.TridiagonalLinearOperator`, [`diffrax_linearize.BandedLinearOperator`][] or
-    [`diffrax_linearize.SparseLinearOperator`][] (solve them with
+    [`diffrax_linearize.SparseLinearOperator`][] (one with no entries for a zero Jacobian,
+    such as `jnp.floor`'s; solve them with
     [`diffrax_linearize.StructuredLinearSolver`][]), a dense map of vectors a
     `lineax.MatrixLinearOperator`, anything else a `lineax.PyTreeLinearOperator`. With
     pytrees in or out, a `lineax.PyTreeLinearOperator` of the whole Jacobian (its structure
@@ -636,7 +660,7 @@ def _run_operator(spec: _Spec, consts, diff, rest, diff_tree, out_tree):
 def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     # Built inside `jit`, where the structure (a NumPy one for an identity, say) is known.
     blocks, ctx = _structured_jacobian(spec, consts, diff, rest)
-    _check_strict(spec, ctx.densified)
+    _check_strict(spec, ctx.densified, ctx.reasons)
     out_avals = [v.aval for v in spec.jaxpr.outvars]
     if jtu.treedef_is_leaf(diff_tree) and jtu.treedef_is_leaf(out_tree):
         return _block_operator(blocks[0][0], out_avals[0], diff[0].shape, diff[0].dtype)
@@ -680,16 +704,19 @@ class StructureReport:
 
     - `rows`: one dictionary per (output leaf, input leaf) pair, with keys `"output"` and
         `"input"` (the leaves' paths) and `"structure"` (the block's description).
-    - `densified`: for each primitive that took the exact dense fallback, how many of its
-        equations did.
+    - `densified`: for each primitive that took the exact dense fallback (or whose rule
+        could not keep the structure of its input), how many of its equations did.
     - `coloured`: for each primitive computed by the sparse fallback (compressed
         evaluations over a colouring of its pattern), the colour count of each equation.
+    - `reasons`: for each primitive in `densified`, why it lost structure (such as
+        `"no structure rule"`, or a gather's indices not known at trace time).
     """
 
-    def __init__(self, rows, densified, coloured):
+    def __init__(self, rows, densified, coloured, reasons=None):
         self.rows = rows
         self.densified = densified
         self.coloured = coloured
+        self.reasons = {} if reasons is None else reasons
 
     @property
     def kinds(self) -> list[str]:
@@ -701,7 +728,7 @@ class StructureReport:
         for row in self.rows:
             lines.append(f"{row['output']} | {row['input']} | {row['structure']}")
         if self.densified:
-            names = ", ".join(f"`{k}` ({v}x)" for k, v in sorted(self.densified.items()))
+            names = _densified_names(self.densified, self.reasons)
             lines.append(f"\nDense fallback (structure lost): {names}")
         else:
             lines.append("\nNo dense fallback.")
@@ -761,4 +788,5 @@ def structure_report(
             else:
                 text = b.describe()
             rows.append({"output": out_paths[q], "input": in_paths[p], "structure": text})
-    return StructureReport(rows, dict(ctx.densified), dict(ctx.coloured))
+    reasons = {k: list(v) for k, v in ctx.reasons.items()}
+    return StructureReport(rows, dict(ctx.densified), dict(ctx.coloured), reasons)

@@ -217,7 +217,7 @@ class SparseLinearOperator(lx.AbstractLinearOperator):
         """**Arguments:**
 
         - `values`: an array of shape `(m, S)`; entries that are not part of the matrix hold
-          zero.
+          zero. `S = 0` is the zero matrix, which stores no numbers.
         - `columns`: a NumPy integer array of shape `(S, m)`: the flat input index of each
           entry.
         - `input_structure`: a `jax.ShapeDtypeStruct` of the arrays the operator acts on.
@@ -253,7 +253,9 @@ class SparseLinearOperator(lx.AbstractLinearOperator):
     def mv(self, vector):
         x = _flat(vector).astype(self.values.dtype)
         cols = self.columns.array
-        y = sum(self.values[:, s] * x[cols[s]] for s in range(cols.shape[0]))
+        y = jnp.zeros(self.values.shape[:1], self.values.dtype)  # no entries: zero
+        for s in range(cols.shape[0]):
+            y = y + self.values[:, s] * x[cols[s]]
         return jnp.reshape(y, self.output_structure.shape).astype(self.output_structure.dtype)
 
     def as_matrix(self):
@@ -270,7 +272,7 @@ class SparseLinearOperator(lx.AbstractLinearOperator):
         order = np.argsort(cols, kind="stable")
         targets = cols[order]
         counts = np.bincount(targets, minlength=n)
-        C = max(1, int(counts.max(initial=0)))
+        C = int(counts.max(initial=0))  # zero for the zero matrix
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         pos = np.arange(len(order)) - starts[targets]
         src = np.zeros((n, C), np.int64)

@@ -192,16 +192,23 @@ def _scale(block: Struct, c, combine=None) -> Struct:
     )
 
 
-def _apply_along_out(ctx: Context, eqn, vals, positions=None):
+def _apply_along_out(ctx: Context, eqn, vals, positions=None, lost: str | None = None):
     """Apply the equation's primitive to the blocks' values, vectorised over their in-side
     axes. The equation must be linear in the inputs at `positions`. The out axes become
-    dense; the in side keeps its structure where there is a single linear input."""
+    dense; the in side keeps its structure where there is a single linear input.
+
+    `lost` says why a rule that keeps structure in other cases could not here: a pattern
+    (deltas, an `Ell`) made dense is then recorded in `ctx` with that reason, as the dense
+    fallback is, so that `strict=True` and `structure_report` name it. Without `lost` the
+    primitive is one whose result is dense anyway (a solve, an FFT)."""
     if positions is None:
         positions = _lin_positions(vals)
     if len(positions) != 1:
-        return dense_fallback(ctx, eqn, vals)
+        return dense_fallback(ctx, eqn, vals, reason=lost or "several linear inputs")
     (pos,) = positions
     x = vals[pos]
+    if lost is not None and _has_pattern(x):
+        ctx.record(str(eqn.primitive), lost)
     aval = _out_aval(eqn)
     n_out = len(x.shape)
     blocks = {}
@@ -556,6 +563,9 @@ def _dynamic_slice_rule(ctx, eqn, vals):
         }
         return [Lin(blocks, aval.shape, aval.dtype)]
 
+    if axes and _has_pattern(x):
+        ctx.record(str(eqn.primitive), "its start indices are not known at trace time")
+
     def fn(v, positions, fill):
         idx = [jnp.zeros_like(starts[0])] * v.ndim  # starts' int type
         sz = list(v.shape)
@@ -685,13 +695,26 @@ def _reduce_sum_rule(b, eqn, vals, pos):
     return _drop_out_axes(summed, axes)
 
 
-@register_rule(prim("cumsum"))
-@_blockwise
-def _cumsum_rule(b, eqn, vals, pos):
+def _cumsum_block(b, eqn, vals, pos):
     axis, reverse = eqn.params["axis"], eqn.params["reverse"]
     b = b.ell_to_plain().densify_out([axis]).canonical()
     a = b.val_labels.index(b.out_labels[axis])
     return b.with_val(lax.cumsum(jnp.asarray(b.val), axis=a, reverse=reverse))
+
+
+@register_rule(prim("cumsum"))
+def _cumsum_rule(ctx, eqn, vals):
+    (x,) = vals
+    axis = eqn.params["axis"]
+    if x.shape[axis] > 1 and any(
+        b.ell is not None or b.out_labels[axis] in b.in_labels for b in x.blocks.values()
+    ):
+        ctx.record(
+            str(eqn.primitive),
+            "a cumulative sum along an axis that is a delta or a pattern is triangular: "
+            "stored dense along that axis",
+        )
+    return _blockwise(_cumsum_block)(ctx, eqn, vals)
 
 
 # ---- data movement with indices known at trace time -----------------------------------
@@ -826,7 +849,18 @@ def _gather_scatter_rule(ctx, eqn, vals):
         out = _data_movement(ctx, eqn, vals)
         if out is not NotImplemented:
             return out
-    return _apply_along_out(ctx, eqn, vals)
+    return _apply_along_out(ctx, eqn, vals, lost=_index_reason(eqn, vals))
+
+
+def _index_reason(eqn, vals) -> str:
+    """Why a data-movement equation's pattern is not known at trace time."""
+    if _index_known(eqn, vals):
+        return "too many elements for the pattern's int32 positions"
+    return (
+        "its indices are not known at trace time: they are computed from traced values "
+        "(a data-dependent permutation or selection, as in `jnp.sort`, `lax.top_k` or "
+        "`jnp.argsort`, or a traced offset)"
+    )
 
 
 def _scatter_destinations(eqn, indices, out_shape, updates_shape):
@@ -873,7 +907,7 @@ def _scatter_add_rule(ctx, eqn, vals):
     idx = known(indices)
     lins = [x for x in (operand, updates) if isinstance(x, Lin)]
     if idx is None or not any(_has_pattern(x) for x in lins):
-        return _apply_along_out(ctx, eqn, vals)
+        return _apply_along_out(ctx, eqn, vals, lost=_index_reason(eqn, vals))
     aval = _out_aval(eqn)
     out_shape = tuple(aval.shape)
     upd_shape = tuple(eqn.invars[2].aval.shape)
@@ -1268,13 +1302,116 @@ def _conv_rule(ctx, eqn, vals):
             jax.ShapeDtypeStruct(aval.shape, aval.dtype)
         )
         return interpret(ctx, closed.jaxpr, closed.consts, [rhs])
-    return _apply_along_out(ctx, eqn, vals)
+    if isinstance(rhs, Lin):
+        lost = "batch groups, with the kernel differentiated"
+    elif math.prod(spatial) > _CONV_MAX_WINDOW:
+        lost = f"a kernel window of more than {_CONV_MAX_WINDOW} elements"
+    else:
+        lost = "feature and batch groups together"
+    return _apply_along_out(ctx, eqn, vals, lost=lost)
+
+
+def _window_slices(x, params, fill):
+    """For each offset of a `reduce_window`'s window, the strided slice of the padded (and,
+    for `base_dilation`, interior-padded) `x` that the window's element at that offset
+    meets, of the output's shape: data movement only, so structure-keeping."""
+    window, strides = params["window_dimensions"], params["window_strides"]
+    base = params.get("base_dilation") or (1,) * x.ndim
+    wdil = params.get("window_dilation") or (1,) * x.ndim
+    config = [(int(lo), int(hi), d - 1) for (lo, hi), d in zip(params["padding"], base)]
+    x = lax.pad(x, jnp.asarray(fill, x.dtype), config)
+    out = [(x.shape[d] - (window[d] - 1) * wdil[d] - 1) // strides[d] + 1 for d in range(x.ndim)]
+    for k in itertools.product(*[range(n) for n in window]):
+        start = [k[d] * wdil[d] for d in range(x.ndim)]
+        limit = [start[d] + (out[d] - 1) * strides[d] + 1 for d in range(x.ndim)]
+        yield lax.slice(x, start, limit, strides)
+
+
+def _interpret_fn(ctx, fn, x: Lin, aval):
+    closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    return interpret(ctx, closed.jaxpr, closed.consts, [x])
+
+
+@register_rule(prim("reduce_window_sum"))
+def _reduce_window_sum_rule(ctx, eqn, vals):
+    """A windowed sum (`lax.reduce_window` with `lax.add`, an average pool) of a structured
+    input with a window of a few elements: a sum of shifted slices, which keeps the
+    pattern (a band for an identity)."""
+    (x,) = vals
+    if not _has_pattern(x) or math.prod(eqn.params["window_dimensions"]) > _CONV_MAX_WINDOW:
+        return _apply_along_out(ctx, eqn, vals, lost=_window_reason(eqn))
+
+    def fn(v):
+        return sum(_window_slices(v, eqn.params, 0))
+
+    return _interpret_fn(ctx, fn, x, eqn.invars[0].aval)
+
+
+def _window_reason(eqn) -> str:
+    return f"a window of more than {_CONV_MAX_WINDOW} elements"
+
+
+@register_rule(prim("select_and_gather_add"))
+def _select_and_gather_add_rule(ctx, eqn, vals):
+    """The tangent of a max or min pool: each output takes the tangent at its window's
+    selected element, an index computed from the (traced) primal. The pattern is still
+    known, the window, with traced values: for each window offset, the shifted slice of
+    the tangent where that offset is the one selected. Which one it is comes from the
+    primitive itself, applied to the positions' codes (so ties break as it breaks them)."""
+    t, operand = vals
+    aval = eqn.invars[0].aval
+    n = math.prod(aval.shape)
+    if (
+        not isinstance(t, Lin)
+        or isinstance(operand, Lin)
+        or not _has_pattern(t)
+        or math.prod(eqn.params["window_dimensions"]) > _CONV_MAX_WINDOW
+        or n >= 2 ** (jnp.finfo(aval.dtype).nmant + 1)  # codes exact in the tangent dtype
+    ):
+        return _apply_along_out(ctx, eqn, vals, lost=_window_reason(eqn))
+    return _interpret_fn(ctx, _selection_as_shifts(eqn.params, operand, aval), t, aval)
+
+
+def _selection_as_shifts(params, operand, aval):
+    """`t -> select_and_gather_add(t, operand)` as a sum over the window's offsets of
+    shifted slices of `t` kept where that offset is the selected one."""
+    n = math.prod(aval.shape)
+    codes = jnp.arange(1, n + 1, dtype=aval.dtype).reshape(aval.shape)
+    selected = prim("select_and_gather_add").bind(codes, operand, **params)
+    masks = [w == selected for w in _window_slices(codes, params, 0)]
+
+    def fn(v):
+        return sum(
+            jnp.where(m, w, jnp.zeros((), v.dtype))
+            for m, w in zip(masks, _window_slices(v, params, 0))
+        )
+
+    return fn
+
+
+@register_rule(prim("select_and_scatter_add"))
+def _select_and_scatter_add_rule(ctx, eqn, vals):
+    """The transpose of `select_and_gather_add` (a max pool's tangent, in reverse mode):
+    the transpose of its shifted, selected slices."""
+    s, operand = vals
+    aval = eqn.invars[1].aval
+    n = math.prod(aval.shape)
+    if (
+        not isinstance(s, Lin)
+        or isinstance(operand, Lin)
+        or not _has_pattern(s)
+        or math.prod(eqn.params["window_dimensions"]) > _CONV_MAX_WINDOW
+        or n >= 2 ** (jnp.finfo(aval.dtype).nmant + 1)
+    ):
+        return _apply_along_out(ctx, eqn, vals, lost=_window_reason(eqn))
+    params = dict(eqn.params, base_dilation=(1,) * len(aval.shape))
+    params["window_dilation"] = params["base_dilation"]
+    gather = _selection_as_shifts(params, operand, aval)
+    transposed = jax.linear_transpose(gather, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    return _interpret_fn(ctx, lambda c: transposed(c)[0], s, eqn.invars[0].aval)
 
 
 @register_rule(
-    prim("reduce_window_sum"),
-    prim("select_and_gather_add"),
-    prim("select_and_scatter_add"),
     prim("fft"),
     prim("triangular_solve"),
     prim("linear_solve"),

@@ -874,6 +874,41 @@ def test_operator_dtype_change():
     assert op.out_structure() == jax.ShapeDtypeStruct((4,), jnp.float32)
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [
+        jnp.floor,
+        jnp.round,
+        jnp.sign,
+        jnp.ceil,
+        lambda x: (x > 0).astype(x.dtype),
+        lambda x: jnp.floor(x)[:2] * jnp.sign(x[1:]),  # not square
+    ],
+    ids=["floor", "round", "sign", "ceil", "comparison", "nonsquare"],
+)
+def test_zero_jacobian_operator(fn):
+    # A zero Jacobian is a `SparseLinearOperator` with no entries: no numbers stored, and
+    # `mv`, `as_matrix`, `transpose` and lineax's queries agree with the zero matrix.
+    x = _input((3,), jnp.float64)
+    v = _input((3,), jnp.float64, 1)
+    op = dl.materialise_operator(fn, x)
+    assert isinstance(op, dl.SparseLinearOperator)
+    assert sum(leaf.size for leaf in jax.tree_util.tree_leaves(op)) == 0
+    expected = jax.jacfwd(fn)(x)
+    np.testing.assert_array_equal(op.as_matrix(), expected)
+    np.testing.assert_array_equal(op.mv(v), jax.jvp(fn, (x,), (v,))[1])
+    assert op.out_structure() == jax.eval_shape(fn, x)
+    t = op.transpose()
+    assert isinstance(t, dl.SparseLinearOperator) and t.values.size == 0
+    np.testing.assert_array_equal(t.as_matrix(), expected.T)
+    np.testing.assert_array_equal(t.mv(jnp.ones(expected.shape[0])), jnp.zeros(3))
+    if expected.shape[0] == 3:
+        np.testing.assert_array_equal(lx.diagonal(op), jnp.zeros(3))
+        with pytest.raises(ValueError, match="has no entries"):
+            lx.linear_solve(op, v, dl.StructuredLinearSolver())
+    assert dl.structure_report(fn, x).kinds[0].startswith("zero: 0 numbers stored")
+
+
 def test_operator_linear_solve():
     A, _ = _matrices()
     A = A + N * jnp.eye(N)
@@ -1073,6 +1108,12 @@ def test_strict():
     with pytest.raises(ValueError, match="double_without_rule"):
         dl.materialise_operator(fn, x, strict=True)
     assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-12)
+    with pytest.raises(ValueError, match=r"`double_without_rule` \(1x: no structure rule\)"):
+        dl.materialise(fn, x, strict=True)
+    report = dl.structure_report(fn, x)
+    assert report.densified == {"double_without_rule": 1}
+    assert report.reasons == {"double_without_rule": ["no structure rule"]}
+    assert "`double_without_rule` (1x: no structure rule)" in str(report)
 
 
 def test_custom_vjp_in_while_loop():
