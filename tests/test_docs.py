@@ -48,13 +48,10 @@ ROOT = DOCS.parent
 # A code block whose first line starts with this comment is a template (it names things
 # the reader supplies) and is not run.
 TEMPLATE = "# Template:"
-
-# Pages whose examples are run elsewhere or not yet: page -> why.
-NOT_RUN_HERE = {
-    # 10,000 paths x 1,000 steps, minutes on 2 cores; resized with the ensemble
-    # benchmark's rework (issue 4 of the docs review), then run here.
-    "ensembles.md": "its example is being resized with the ensemble benchmark",
-}
+# A block whose first line is `# Excerpt from PATH ...` is quoted from the file at PATH
+# (relative to the repository root), where it runs, and is not run here: its lines must
+# be lines of that file.
+EXCERPT = "# Excerpt from "
 
 
 def _python_blocks(text: str) -> list[str]:
@@ -62,7 +59,7 @@ def _python_blocks(text: str) -> list[str]:
 
 
 def _runnable(blocks: list[str]) -> list[str]:
-    return [b for b in blocks if not b.lstrip().startswith(TEMPLATE)]
+    return [b for b in blocks if not b.lstrip().startswith((TEMPLATE, EXCERPT))]
 
 
 def _pages() -> list[str]:
@@ -79,8 +76,6 @@ def _run(blocks: list[str], name: str):
 @pytest.mark.parametrize("page", _pages())
 def test_page_code_runs(page):
     """The page's Python blocks, in order, are one program, and it runs."""
-    if page in NOT_RUN_HERE:
-        pytest.skip(NOT_RUN_HERE[page])
     _run(_runnable(_python_blocks((DOCS / page).read_text())), f"docs/{page}")
 
 
@@ -93,6 +88,23 @@ def test_templates_are_marked():
         if block.lstrip().startswith(TEMPLATE)
     ]
     assert templates == ["devdocs/structure_engine.md"]
+
+
+def test_excerpts_are_lines_of_the_file_they_name():
+    excerpts = []
+    for page in _pages():
+        for block in _python_blocks((DOCS / page).read_text()):
+            head, _, body = block.lstrip().partition("\n")
+            if not head.startswith(EXCERPT):
+                continue
+            path = ROOT / head.removeprefix(EXCERPT).split()[0].rstrip(":,")
+            assert path.is_file(), f"docs/{page}: {head!r} names no file"
+            source = {line.strip() for line in path.read_text().splitlines()}
+            missing = [line for line in body.splitlines() if line.strip() not in source]
+            assert not missing, f"docs/{page}: lines not in {path.name}: {missing}"
+            excerpts.append(page)
+    # The multi-host recipe, quoted from `examples/ensemble_multiprocess.py`.
+    assert excerpts == ["ensembles.md", "ensembles.md"]
 
 
 def _docstrings() -> dict[str, str]:
