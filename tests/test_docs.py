@@ -1,12 +1,15 @@
 """The documentation: every public name has an API entry, and the code in README.md, the
 docs pages and the docstrings runs."""
 
+import contextlib
 import inspect
+import io
 import pathlib
 import re
 
 import diffrax_linearize as dl
 import diffrax_linearize.internal as internal
+import jax
 import pytest
 
 
@@ -62,6 +65,32 @@ def _runnable(blocks: list[str]) -> list[str]:
     return [b for b in blocks if not b.lstrip().startswith((TEMPLATE, EXCERPT))]
 
 
+# A block fenced as ```text title="output"``` is what the page's code prints (all such
+# blocks of a page, in order, are its whole output), word for word, with its numbers to
+# `OUTPUT_RTOL`: float32 training runs differ in the last digits between JAX versions.
+# Such a page runs in float32, as a reader runs it (the tests' conftest turns on x64).
+OUTPUT = '```text title="output"'
+OUTPUT_RTOL = 0.05
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d*)?(?:e[-+]?\d+)?$")
+
+
+def _outputs(text: str) -> list[str]:
+    return re.findall(rf"^{re.escape(OUTPUT)}\n(.*?)^```", text, re.S | re.M)
+
+
+def _assert_same_output(printed: str, shown: str, page: str):
+    got, want = printed.split(), shown.split()
+    message = (
+        f"docs/{page} shows output that its code does not print:\n{shown}\nprinted:\n{printed}"
+    )
+    assert len(got) == len(want), message
+    for g, w in zip(got, want):
+        if _NUMBER.match(w) and _NUMBER.match(g):
+            assert abs(float(g) - float(w)) <= OUTPUT_RTOL * abs(float(w)), message
+        else:
+            assert g == w, message
+
+
 def _pages() -> list[str]:
     """README.md and every docs page with Python code."""
     pages = ["../README.md"] + sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
@@ -75,8 +104,25 @@ def _run(blocks: list[str], name: str):
 
 @pytest.mark.parametrize("page", _pages())
 def test_page_code_runs(page):
-    """The page's Python blocks, in order, are one program, and it runs."""
-    _run(_runnable(_python_blocks((DOCS / page).read_text())), f"docs/{page}")
+    """The page's Python blocks, in order, are one program, and it runs (and prints what
+    its output blocks show)."""
+    text = (DOCS / page).read_text()
+    printed = io.StringIO()
+    # A page that shows its output runs as a reader runs it: in JAX's default float32.
+    precision = jax.enable_x64(False) if _outputs(text) else contextlib.nullcontext()
+    with precision, contextlib.redirect_stdout(printed):
+        _run(_runnable(_python_blocks(text)), f"docs/{page}")
+    if _outputs(text):
+        _assert_same_output(printed.getvalue(), "".join(_outputs(text)), page)
+
+
+def test_output_blocks_are_compared():
+    shown = "step  0  loss 11.2162\nstep 29  loss 0.0157\n"
+    _assert_same_output("step  0  loss 11.2162\nstep 29  loss 0.0158\n", shown, "x.md")
+    for wrong in ("step  0  loss 11.2162\n", "step  0  loss 11.2162\nstep 29  loss 0.02\n"):
+        with pytest.raises(AssertionError, match="does not print"):
+            _assert_same_output(wrong, shown, "x.md")
+    assert _outputs((DOCS / "neural_sde.md").read_text())
 
 
 def test_templates_are_marked():
