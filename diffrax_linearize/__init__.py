@@ -19,6 +19,7 @@ from ._levy_area import (
 )
 from ._linear_solver import StructuredLinearSolver as StructuredLinearSolver
 from ._materialise import (
+    filter_materialise as filter_materialise,
     materialise as materialise,
     materialise_operator as materialise_operator,
     structure_report as structure_report,

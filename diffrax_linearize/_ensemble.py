@@ -26,25 +26,37 @@ _FAILED_MSG = (
 class EnsembleSolution(eqx.Module):
     """The result of [`diffrax_linearize.solve_ensemble`][].
 
-    All reductions are taken over the path axis of the saved values `ys` of every path,
-    leaf by leaf, and are replicated on every device of the mesh (so every host of a
-    multi-host run can read them).
+    All reductions are taken over the path axis of the saved values `ys` of the paths
+    that solved successfully, leaf by leaf, and are replicated on every device of the
+    mesh (so every host of a multi-host run can read them). With `throw=False`, paths
+    that fail (`paths.result` not `diffrax.RESULTS.successful`, for example by running
+    out of `max_steps`) are left out of them: their saved values after the failure are
+    `inf`, as `diffrax.diffeqsolve` leaves them. The reductions are then those of the
+    `num_used = num_paths - num_failed` paths that succeeded, which is a conditional
+    statistic: if failures are more likely on extreme paths, it is biased. Check
+    `num_failed` (or keep `throw=True`) before relying on them.
 
     **Fields:**
 
     - `paths`: the per-path `diffrax.Solution`, every array with a leading path axis
         of length `num_paths`, sharded over the mesh; or `None` if `return_paths=False`.
+        Failed paths are included here, with their `result`.
     - `ts`: the save times, shared by all paths (those of the first path); `None` if
         nothing was saved.
-    - `mean`: the mean over paths of `ys`, or `None` if not requested.
-    - `var`: the variance over paths of `ys` (normalised by `num_paths`, as `numpy.var`
-        with `ddof=0`; multiply by `num_paths / (num_paths - 1)` for the unbiased
-        estimator), or `None` if not requested.
-    - `quantiles`: the quantiles of `ys` over paths, each leaf with a leading axis of
-        length `len(q)`, computed as `numpy.quantile(..., method="linear")`; or `None`.
+    - `mean`: the mean over the paths used of `ys`, or `None` if not requested.
+    - `var`: the variance over the paths used of `ys` (normalised by `num_used`, as
+        `numpy.var` with `ddof=0`; multiply by `num_used / (num_used - 1)` for the
+        unbiased estimator), or `None` if not requested.
+    - `quantiles`: the quantiles of `ys` over the paths used, each leaf with a leading
+        axis of length `len(q)`, computed as `numpy.quantile(..., method="linear")`;
+        or `None`.
     - `num_failed`: how many paths did not finish successfully (see
-        `diffrax.RESULTS`); reductions include those paths.
+        `diffrax.RESULTS`); the reductions leave those paths out. If every path failed,
+        `mean`, `var` and `quantiles` are NaN.
     - `num_paths`: the number of paths, as a Python integer.
+
+    And the property `num_used`, `num_paths - num_failed`: how many paths the
+    reductions are over.
     """
 
     paths: diffrax.Solution | None
@@ -54,6 +66,12 @@ class EnsembleSolution(eqx.Module):
     quantiles: PyTree[Array] | None
     num_failed: Int[Array, ""]
     num_paths: int = eqx.field(static=True)
+
+    @property
+    def num_used(self) -> Int[Array, ""]:
+        """How many paths `mean`, `var` and `quantiles` are over: `num_paths -
+        num_failed`, the paths that solved successfully."""
+        return self.num_paths - self.num_failed
 
 
 def _is_key_array(x) -> bool:
@@ -114,7 +132,8 @@ def _chunk_stats(ys, mask):
 
 def _combine_stats(counts, means, m2s, axis_names, total):
     """Combines per-chunk statistics across chunks (axis 0) and devices (`psum`). Only
-    arrays of the size of one saved value cross devices."""
+    arrays of the size of one saved value cross devices. `total` is the number of paths
+    counted, over all devices: with none, the mean and variance are NaN."""
     weights = lambda x: counts.reshape(counts.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
 
     def mean(means):
@@ -167,26 +186,26 @@ def _order_statistic(keys, mask, k, axis_names):
     return lo
 
 
-def _quantiles(ys, mask, q, num_paths, axis_names):
-    # As `numpy.quantile(..., method="linear")`: interpolate between the order
-    # statistics at floor((n - 1) q) and ceil((n - 1) q).
-    h = np.asarray(q, dtype=np.float64) * (num_paths - 1)
-    below = np.floor(h).astype(np.int32)
-    above = np.minimum(below + 1, num_paths - 1).astype(np.int32)
-    ks = np.stack([below, above], axis=1)  # (len(q), 2)
+def _quantiles(ys, mask, q, count, axis_names):
+    # As `numpy.quantile(..., method="linear")` over the `count` paths of `mask`:
+    # interpolate between the order statistics at floor((n - 1) q) and ceil((n - 1) q).
+    # `count` is only known on device (failed paths are left out), so this is traced.
+    h = jnp.asarray(q, jnp.result_type(float)) * (count - 1)
+    below = jnp.floor(h).astype(jnp.int32)
+    above = jnp.minimum(below + 1, count - 1).astype(jnp.int32)
+    ks = jnp.stack([below, above], axis=1)  # (len(q), 2)
     frac = h - below
 
     def leaf(y):
         keys = _to_ordered_int(y)
-        stats = jax.lax.map(
-            lambda k: _order_statistic(keys, mask, k, axis_names), jnp.asarray(ks.ravel())
-        )
+        stats = jax.lax.map(lambda k: _order_statistic(keys, mask, k, axis_names), ks.ravel())
         stats = _from_ordered_int(stats, y.dtype).reshape((len(q), 2) + y.shape[1:])
         a, b = stats[:, 0], stats[:, 1]
-        t = jnp.asarray(frac, y.dtype).reshape((len(q),) + (1,) * (y.ndim - 1))
+        t = frac.astype(y.dtype).reshape((len(q),) + (1,) * (y.ndim - 1))
         diff = b - a
         # numpy's `_lerp`, which is exact at both ends.
-        return jnp.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+        out = jnp.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+        return jnp.where(count > 0, out, jnp.nan)
 
     return jtu.tree_map(leaf, ys)
 
@@ -278,7 +297,8 @@ def solve_ensemble(
     - `axis_names`: the mesh axes to shard paths over (their product). Defaults to all
         axes of `mesh`.
     - `throw`: whether to raise an error if any path fails (for example by running
-        out of `max_steps`). With `False`, see `num_failed` and `paths.result`. On a
+        out of `max_steps`). With `False`, failed paths are left out of the reductions,
+        and `num_failed` says how many (`paths.result` which). On a
         mesh of several devices the check is made on the host once the solve has
         finished (so the call blocks), and `throw=True` is not available inside
         `jax.jit`.
@@ -480,12 +500,14 @@ def _solve_ensemble(
         def per_chunk(batched_chunk):
             keys, mask, y0_b, args_b = batched_chunk
             sols = jax.vmap(solve_one, in_axes=(0, 0, 0, None))(keys, y0_b, args_b, shared_dyn)
-            failed = jnp.sum(mask & (sols.result._value != 0), dtype=jnp.int32)
+            # Failed paths (and the padding) are left out of every reduction.
+            used = mask & (sols.result._value == 0)
+            failed = jnp.sum(mask & ~used, dtype=jnp.int32)
             if reductions or quantiles is not None:
                 _check_floating(sols.ys)
-            stats = _chunk_stats(sols.ys, mask) if reductions else None
+            stats = _chunk_stats(sols.ys, used) if reductions else None
             ts = None if sols.ts is None else sols.ts[0]
-            return (sols if keep_ys else None), failed, stats, ts
+            return (sols if keep_ys else None), used, failed, stats, ts
 
         # Padding for the chunks is local to each device, so that slicing it off
         # again moves no data between devices.
@@ -497,20 +519,20 @@ def _solve_ensemble(
             lambda x: x.reshape((num_chunks, chunk) + x.shape[1:]),
             (keys, mask, y0_b, args_b),
         )
-        sols, failed, stats, ts = jax.lax.map(per_chunk, chunked)
+        sols, used, failed, stats, ts = jax.lax.map(per_chunk, chunked)
         ts = None if ts is None else ts[0]
         unchunk = lambda x: x.reshape((num_chunks * chunk,) + x.shape[2:])[:per_device]
-        sols = jtu.tree_map(unchunk, sols)
-        mask = mask[:per_device]
+        sols, used = jtu.tree_map(unchunk, (sols, used))
         failed = jax.lax.psum(jnp.sum(failed), axis_names)
+        num_used = num_paths - failed
         if reductions:
-            mean, var = _combine_stats(*stats, axis_names, num_paths)
+            mean, var = _combine_stats(*stats, axis_names, num_used)
         else:
             mean = var = None
         if quantiles is None:
             qs = None
         else:
-            qs = _quantiles(sols.ys, mask, quantiles, num_paths, axis_names)
+            qs = _quantiles(sols.ys, used, quantiles, num_used, axis_names)
         if not return_paths:
             sols = None
         return sols, failed, mean, var, qs, ts

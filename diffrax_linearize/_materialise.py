@@ -790,3 +790,67 @@ def structure_report(
             rows.append({"output": out_paths[q], "input": in_paths[p], "structure": text})
     reasons = {k: list(v) for k, v in ctx.reasons.items()}
     return StructureReport(rows, dict(ctx.densified), dict(ctx.coloured), reasons)
+
+
+def filter_materialise(
+    fn: Callable, x: Any, *args: Any, mode: MaterialiseMode = "auto", strict: bool = False
+):
+    """The Jacobian of `fn` with respect to the floating-point arrays of its first
+    argument, as `equinox.filter_jacfwd(fn)(x, *args)` returns it, computed by
+    [`diffrax_linearize.materialise`][].
+
+    As `equinox.filter_jacfwd`, for a whole Equinox module or any pytree `x`: its
+    inexact-array leaves (`equinox.is_inexact_array`) are differentiated; every other
+    leaf (integer arrays, Python numbers, functions, ...) is held fixed, and its place in
+    the Jacobian is `None`. `args` are not differentiated; `fn` is called with them as
+    given, closed over.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import diffrax_linearize as dl
+
+    mlp = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))
+    x = jax.numpy.ones(3)
+    J = dl.filter_materialise(lambda m, x: m(x), mlp, x)
+    assert J.layers[0].weight.shape == (2, 8, 3)
+    assert J.activation is None  # a function, not differentiated
+    ```
+
+    **Arguments:**
+
+    - `fn`: a function `fn(x, *args)` returning a pytree of arrays.
+    - `x`: a pytree, such as an `equinox.Module`; its floating-point array leaves are
+        differentiated. Complex leaves are refused, as by `equinox.filter_jacfwd`: use
+        `diffrax_linearize.materialise(..., holomorphic=True)` for those.
+    - `*args`: further arguments of `fn`, held fixed.
+    - `mode`, `strict`: as for [`diffrax_linearize.materialise`][].
+
+    **Returns:**
+
+    Exactly the pytree `equinox.filter_jacfwd(fn)(x, *args)` returns: for each output
+    leaf, a pytree like `x` with `None` for the leaves held fixed and arrays of shape
+    `out.shape + leaf.shape` for the others.
+    """
+    api = "diffrax_linearize.filter_materialise"
+    if not callable(fn):
+        raise TypeError(f"`{api}`: the first argument must be a callable, got {type(fn).__name__}.")
+    diff_x, static_x = eqx.partition(x, eqx.is_inexact_array)
+    leaves = jtu.tree_leaves(diff_x)
+    if not leaves:
+        raise TypeError(
+            f"`{api}`: the first argument of `fn` holds no floating-point arrays to "
+            "differentiate (integer arrays and non-array leaves are held fixed, as with "
+            "`equinox.filter_jacfwd`). Pass floating-point parameters, or convert them with "
+            "`jnp.asarray(x, dtype=float)`."
+        )
+    if any(jnp.issubdtype(leaf.dtype, jnp.complexfloating) for leaf in leaves):
+        raise TypeError(
+            f"`{api}` differentiates real floating-point leaves only (as "
+            "`equinox.filter_jacfwd` and `jax.jacfwd` do), but the first argument holds "
+            "complex arrays. For a holomorphic function of complex inputs, use "
+            "`diffrax_linearize.materialise(fn, x, holomorphic=True)`."
+        )
+    return materialise(
+        lambda d: fn(eqx.combine(d, static_x), *args), diff_x, mode=mode, strict=strict
+    )

@@ -133,6 +133,12 @@ class VeryChord(optx.AbstractRootFinder):
 
     solver = diffrax.Kvaerno5(root_finder=dl.VeryChord())
     ```
+
+    A root finder, not a differential equation solver: pass it as `root_finder=` of an
+    implicit solver (Diffrax's `ImplicitEuler`, `Kvaerno3`-`5`, `KenCarp3`-`5`, or
+    [`diffrax_linearize.ImplicitEulerMaruyama`][] and the implicit Milstein solvers),
+    never as the `solver` of `diffrax.diffeqsolve`, where Diffrax fails with
+    `AttributeError: 'VeryChord' object has no attribute 'term_structure'`.
     """
 
     rtol: Any
@@ -211,6 +217,11 @@ class Newton(optx.AbstractRootFinder):
     [`diffrax_linearize.StructuredLinearSolver`][]. For `root_finder=` of Diffrax's implicit
     solvers, like [`diffrax_linearize.VeryChord`][]; more expensive per iteration, and
     more robust on strongly nonlinear stage equations.
+
+    A root finder, not a differential equation solver: pass it as `root_finder=`
+    (`diffrax.Kvaerno5(root_finder=dl.Newton())`), never as the `solver` of
+    `diffrax.diffeqsolve`, where Diffrax fails with `AttributeError: 'Newton' object has
+    no attribute 'term_structure'`.
     """
 
     rtol: Any

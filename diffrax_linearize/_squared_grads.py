@@ -558,6 +558,16 @@ def _compute(
     batch_leaves, batch_def, n = _check_batch(fn_name, loss_fn, batch)
     param_leaves, param_def = jtu.tree_flatten(params)
     diff_index = [i for i, x in enumerate(param_leaves) if eqx.is_inexact_array(x)]
+    if not diff_index:
+        # `jax.grad` raises for integer inputs; `equinox.filter_grad` would return only
+        # `None`s, which here would be a gradient of nothing: norms of zero, silently.
+        kinds = sorted({str(getattr(x, "dtype", type(x).__name__)) for x in param_leaves})
+        raise TypeError(
+            f"`diffrax_linearize.{fn_name}`: `params` has no floating-point array "
+            f"leaves to differentiate (its leaves are {', '.join(kinds) or 'none'}). "
+            "Non-floating leaves are held fixed, as with `equinox.filter_grad`; pass the "
+            "parameters as floating arrays, e.g. `jnp.asarray(params, dtype=float)`."
+        )
     diff_leaves = [jnp.asarray(param_leaves[i]) for i in diff_index]
     batch_leaves = [jnp.asarray(x) for x in batch_leaves]
     n_diff = len(diff_leaves)
@@ -754,7 +764,8 @@ def sum_squared_grads(
         flax or haiku models alike.
     - `params`: a pytree of parameters. Floating array leaves are differentiated;
         other leaves (integers, Python scalars, functions) are held fixed and their
-        entries in the output are `None`, as with `equinox.filter_grad`.
+        entries in the output are `None`, as with `equinox.filter_grad`. At least one
+        leaf must be a floating array (else a `TypeError`, as from `jax.grad`).
     - `*batch`: pytrees whose array leaves all share a leading batch axis; example
         `b` is `jax.tree.map(lambda x: x[b], batch)`.
     - `chunk_size`: examples per chunk where per-example gradients must be formed
@@ -805,7 +816,8 @@ def value_grad_and_sum_squared_grads(
         flax or haiku models alike.
     - `params`: a pytree of parameters. Floating array leaves are differentiated;
         other leaves (integers, Python scalars, functions) are held fixed and their
-        entries in the output are `None`, as with `equinox.filter_grad`.
+        entries in the output are `None`, as with `equinox.filter_grad`. At least one
+        leaf must be a floating array (else a `TypeError`, as from `jax.grad`).
     - `*batch`: pytrees whose array leaves all share a leading batch axis; example
         `b` is `jax.tree.map(lambda x: x[b], batch)`.
     - `chunk_size`: examples per chunk where per-example gradients must be formed
@@ -850,9 +862,11 @@ def per_example_grad_norms(
     - `loss_fn`: called as `loss_fn(params, *example)` for *one* example; must return
         a real floating scalar. Any JAX-traceable function: plain functions, equinox,
         flax or haiku models alike.
-    - `params`: a pytree of parameters. Floating array leaves are differentiated;
-        other leaves (integers, Python scalars, functions) are held fixed and their
-        entries in the output are `None`, as with `equinox.filter_grad`.
+    - `params`: a pytree of parameters, such as a whole Equinox module. Floating
+        array leaves are differentiated; other leaves (integers, Python scalars,
+        functions) are held fixed, as with `equinox.filter_grad`, and add nothing to
+        the norms. At least one leaf must be a floating array (else a `TypeError`, as
+        from `jax.grad`).
     - `*batch`: pytrees whose array leaves all share a leading batch axis; example
         `b` is `jax.tree.map(lambda x: x[b], batch)`.
     - `chunk_size`: examples per chunk where per-example gradients must be formed

@@ -82,9 +82,31 @@ def _is_holomorphic(control) -> bool:
     return bool(leaves) and all(jnp.iscomplexobj(x) for x in leaves)
 
 
+# `materialise(term, t, y, args)` is a `singledispatch` registration: Python would
+# report missing arguments against the private functions below, so they are checked here.
+_MISSING = object()
+
+
+def _check_point(t, y, args, api: str):
+    missing = [name for name, x in (("t", t), ("y", y), ("args", args)) if x is _MISSING]
+    if missing:
+        raise TypeError(
+            f"`{api}(term, t, y, args)` evaluates the term's vector field as "
+            f"`term.vf(t, y, args)`, but {', '.join(f'`{m}`' for m in missing)} "
+            f"{'was' if len(missing) == 1 else 'were'} not given. Pass all three, with "
+            f"`args=None` if the vector field takes no arguments: `{api}(term, t, y, None)`."
+        )
+
+
 @materialise.register(diffrax.AbstractTerm)
 def _materialise_term(
-    term: diffrax.AbstractTerm, t, y, args, *, mode: MaterialiseMode = "auto", strict: bool = False
+    term: diffrax.AbstractTerm,
+    t=_MISSING,
+    y=_MISSING,
+    args=_MISSING,
+    *,
+    mode: MaterialiseMode = "auto",
+    strict: bool = False,
 ):
     """The matrix of the linear map `control -> term.prod(term.vf(t, y, args), control)`, in
     exactly the layout of `jax.jacfwd(lambda c: term.prod(term.vf(t, y, args), c))(control)`
@@ -105,6 +127,7 @@ def _materialise_term(
     **Returns:** a pytree of arrays as described.
     """
     api = "diffrax_linearize.materialise"
+    _check_point(t, y, args, api)
     vf, control = _vf(term, t, y, args, api)
     return materialise(
         lambda c, vf: term.prod(vf, c),
@@ -118,12 +141,19 @@ def _materialise_term(
 
 @materialise_operator.register(diffrax.AbstractTerm)
 def _materialise_operator_term(
-    term: diffrax.AbstractTerm, t, y, args, *, mode: MaterialiseMode = "auto", strict: bool = False
+    term: diffrax.AbstractTerm,
+    t=_MISSING,
+    y=_MISSING,
+    args=_MISSING,
+    *,
+    mode: MaterialiseMode = "auto",
+    strict: bool = False,
 ):
     """The linear map `control -> term.prod(term.vf(t, y, args), control)` as a `lineax`
     operator keeping its structure: a diagonal vector field gives a
     `lineax.DiagonalLinearOperator`, an array vector field a `lineax.MatrixLinearOperator`."""
     api = "diffrax_linearize.materialise_operator"
+    _check_point(t, y, args, api)
     vf, control = _vf(term, t, y, args, api)
     return materialise_operator(
         lambda c, vf: term.prod(vf, c), control, vf, mode=mode, strict=strict

@@ -258,6 +258,47 @@ out = dl.solve_ensemble(
     throw=False,
 )
 check(int(out.num_failed) == 13, out.num_failed)
+check(np.isnan(out.mean).all(), "no path used: NaN mean")
+
+# Some paths failed: the reductions over devices leave them out. Two stiff paths of
+# 13 (rate 300) run out of `max_steps`, on different devices.
+rates = jnp.ones(13).at[3].set(300.0).at[10].set(300.0)
+
+
+def stiff_terms(key):
+    bm = diffrax.VirtualBrownianTree(0.0, T1, 1e-3, (D,), key)
+    drift = diffrax.ODETerm(lambda t, y, args: -args * y)
+    diffusion = diffrax.ControlTerm(
+        lambda t, y, args: lx.DiagonalLinearOperator(0.1 * jnp.cos(y)), bm
+    )
+    return diffrax.MultiTerm(drift, diffusion)
+
+
+out = dl.solve_ensemble(
+    stiff_terms,
+    diffrax.Heun(),
+    0.0,
+    T1,
+    DT,
+    y0,
+    rates,
+    keys=keys,
+    batch_args=True,
+    saveat=SAVEAT,
+    quantiles=(0.0, 0.5, 1.0),
+    stepsize_controller=diffrax.PIDController(rtol=1e-2, atol=1e-2),
+    max_steps=40,
+    throw=False,
+)
+ok = np.asarray(out.paths.result._value) == 0
+check(ok.sum() == 11 and not ok[3] and not ok[10], ok)
+check(int(out.num_failed) == 2 and int(out.num_used) == 11, out.num_failed)
+ys = np.asarray(out.paths.ys)
+np.testing.assert_allclose(out.mean, ys[ok].mean(0), rtol=1e-6, atol=1e-6)
+np.testing.assert_allclose(out.var, ys[ok].var(0), rtol=1e-5, atol=1e-7)
+# (n - 1) q is an integer for q = 0, 0.5, 1 with n = 11: order statistics, exactly.
+np.testing.assert_array_equal(out.quantiles, np.quantile(ys[ok], (0.0, 0.5, 1.0), axis=0))
+checks += 3
 
 print(f"ensemble-multidevice: {checks} checks passed on {jax.device_count()} devices")
 sys.exit(0)

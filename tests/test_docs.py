@@ -1,12 +1,15 @@
 """The documentation: every public name has an API entry, and the code in README.md, the
 docs pages and the docstrings runs."""
 
+import contextlib
 import inspect
+import io
 import pathlib
 import re
 
 import diffrax_linearize as dl
 import diffrax_linearize.internal as internal
+import jax
 import pytest
 
 
@@ -48,13 +51,10 @@ ROOT = DOCS.parent
 # A code block whose first line starts with this comment is a template (it names things
 # the reader supplies) and is not run.
 TEMPLATE = "# Template:"
-
-# Pages whose examples are run elsewhere or not yet: page -> why.
-NOT_RUN_HERE = {
-    # 10,000 paths x 1,000 steps, minutes on 2 cores; resized with the ensemble
-    # benchmark's rework (issue 4 of the docs review), then run here.
-    "ensembles.md": "its example is being resized with the ensemble benchmark",
-}
+# A block whose first line is `# Excerpt from PATH ...` is quoted from the file at PATH
+# (relative to the repository root), where it runs, and is not run here: its lines must
+# be lines of that file.
+EXCERPT = "# Excerpt from "
 
 
 def _python_blocks(text: str) -> list[str]:
@@ -62,7 +62,33 @@ def _python_blocks(text: str) -> list[str]:
 
 
 def _runnable(blocks: list[str]) -> list[str]:
-    return [b for b in blocks if not b.lstrip().startswith(TEMPLATE)]
+    return [b for b in blocks if not b.lstrip().startswith((TEMPLATE, EXCERPT))]
+
+
+# A block fenced as ```text title="output"``` is what the page's code prints (all such
+# blocks of a page, in order, are its whole output), word for word, with its numbers to
+# `OUTPUT_RTOL`: float32 training runs differ in the last digits between JAX versions.
+# Such a page runs in float32, as a reader runs it (the tests' conftest turns on x64).
+OUTPUT = '```text title="output"'
+OUTPUT_RTOL = 0.05
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d*)?(?:e[-+]?\d+)?$")
+
+
+def _outputs(text: str) -> list[str]:
+    return re.findall(rf"^{re.escape(OUTPUT)}\n(.*?)^```", text, re.S | re.M)
+
+
+def _assert_same_output(printed: str, shown: str, page: str):
+    got, want = printed.split(), shown.split()
+    message = (
+        f"docs/{page} shows output that its code does not print:\n{shown}\nprinted:\n{printed}"
+    )
+    assert len(got) == len(want), message
+    for g, w in zip(got, want):
+        if _NUMBER.match(w) and _NUMBER.match(g):
+            assert abs(float(g) - float(w)) <= OUTPUT_RTOL * abs(float(w)), message
+        else:
+            assert g == w, message
 
 
 def _pages() -> list[str]:
@@ -78,10 +104,25 @@ def _run(blocks: list[str], name: str):
 
 @pytest.mark.parametrize("page", _pages())
 def test_page_code_runs(page):
-    """The page's Python blocks, in order, are one program, and it runs."""
-    if page in NOT_RUN_HERE:
-        pytest.skip(NOT_RUN_HERE[page])
-    _run(_runnable(_python_blocks((DOCS / page).read_text())), f"docs/{page}")
+    """The page's Python blocks, in order, are one program, and it runs (and prints what
+    its output blocks show)."""
+    text = (DOCS / page).read_text()
+    printed = io.StringIO()
+    # A page that shows its output runs as a reader runs it: in JAX's default float32.
+    precision = jax.enable_x64(False) if _outputs(text) else contextlib.nullcontext()
+    with precision, contextlib.redirect_stdout(printed):
+        _run(_runnable(_python_blocks(text)), f"docs/{page}")
+    if _outputs(text):
+        _assert_same_output(printed.getvalue(), "".join(_outputs(text)), page)
+
+
+def test_output_blocks_are_compared():
+    shown = "step  0  loss 11.2162\nstep 29  loss 0.0157\n"
+    _assert_same_output("step  0  loss 11.2162\nstep 29  loss 0.0158\n", shown, "x.md")
+    for wrong in ("step  0  loss 11.2162\n", "step  0  loss 11.2162\nstep 29  loss 0.02\n"):
+        with pytest.raises(AssertionError, match="does not print"):
+            _assert_same_output(wrong, shown, "x.md")
+    assert _outputs((DOCS / "neural_sde.md").read_text())
 
 
 def test_templates_are_marked():
@@ -93,6 +134,23 @@ def test_templates_are_marked():
         if block.lstrip().startswith(TEMPLATE)
     ]
     assert templates == ["devdocs/structure_engine.md"]
+
+
+def test_excerpts_are_lines_of_the_file_they_name():
+    excerpts = []
+    for page in _pages():
+        for block in _python_blocks((DOCS / page).read_text()):
+            head, _, body = block.lstrip().partition("\n")
+            if not head.startswith(EXCERPT):
+                continue
+            path = ROOT / head.removeprefix(EXCERPT).split()[0].rstrip(":,")
+            assert path.is_file(), f"docs/{page}: {head!r} names no file"
+            source = {line.strip() for line in path.read_text().splitlines()}
+            missing = [line for line in body.splitlines() if line.strip() not in source]
+            assert not missing, f"docs/{page}: lines not in {path.name}: {missing}"
+            excerpts.append(page)
+    # The multi-host recipe, quoted from `examples/ensemble_multiprocess.py`.
+    assert excerpts == ["ensembles.md", "ensembles.md"]
 
 
 def _docstrings() -> dict[str, str]:

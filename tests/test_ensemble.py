@@ -175,7 +175,57 @@ def test_failed_paths():
         max_steps=3,
         throw=False,
     )
-    assert int(out.num_failed) == 3
+    assert int(out.num_failed) == 3 and int(out.num_used) == 0
+    # No path to reduce over: NaN, not the `inf` that the failed paths saved.
+    assert np.isnan(out.mean).all() and np.isnan(out.var).all()
+
+
+def _stiff_terms(key):
+    bm = diffrax.VirtualBrownianTree(0.0, T1, 1e-3, (D,), key)
+    drift = diffrax.ODETerm(lambda t, y, args: -args * y)
+    diffusion = diffrax.ControlTerm(
+        lambda t, y, args: lx.DiagonalLinearOperator(0.1 * jnp.cos(y)), bm
+    )
+    return diffrax.MultiTerm(drift, diffusion)
+
+
+def test_failed_paths_are_left_out_of_the_reductions():
+    # One path in five is stiff (rate 300): the adaptive explicit solver runs out of
+    # `max_steps` on it, and its saved values after the failure are `inf`.
+    keys = jr.split(jr.key(4), 5)
+    rates = jnp.array([1.0, 2.0, 300.0, 0.5, 1.5])
+    qs = (0.0, 0.3, 0.5, 1.0)
+    out = dl.solve_ensemble(
+        _stiff_terms,
+        diffrax.Heun(),
+        0.0,
+        T1,
+        DT,
+        Y0,
+        rates,
+        keys=keys,
+        batch_args=True,
+        saveat=SAVEAT,
+        quantiles=qs,
+        chunk_size=2,  # the failed path is in the second chunk, with a good one
+        stepsize_controller=diffrax.PIDController(rtol=1e-2, atol=1e-2),
+        max_steps=40,
+        throw=False,
+    )
+    ok = np.asarray(out.paths.result._value) == 0
+    np.testing.assert_array_equal(ok, [True, True, False, True, True])
+    assert int(out.num_failed) == 1 and int(out.num_used) == 4
+    ys = np.asarray(out.paths.ys)
+    assert np.isinf(ys[2, -1]).all()
+    np.testing.assert_allclose(out.mean, ys[ok].mean(0), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(out.var, ys[ok].var(0), rtol=1e-11, atol=1e-15)
+    np.testing.assert_allclose(
+        out.quantiles, np.quantile(ys[ok], qs, axis=0), rtol=1e-13, atol=1e-15
+    )
+    # (n - 1) q is an integer for q = 0, 1 (n = 4): order statistics of the used paths.
+    np.testing.assert_array_equal(
+        np.asarray(out.quantiles)[[0, 3]], np.quantile(ys[ok], [0, 1], axis=0)
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32, jnp.float64])

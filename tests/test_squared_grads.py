@@ -554,3 +554,56 @@ def test_error_wording():
         with pytest.raises(ValueError, match=wanted) as info:
             dl.sum_squared_grads(loss, params, x)
         assert "Reduce its output" not in str(info.value)
+
+
+class _Counted(eqx.Module):
+    mlp: eqx.nn.MLP
+    scale: jax.Array  # integer array: held fixed
+    steps: int  # Python integer: held fixed
+
+    def __call__(self, x):
+        return self.mlp(x * self.scale) / self.steps
+
+
+def test_integer_leaves_are_held_fixed_as_with_filter_grad():
+    # A whole Equinox module: its integer leaves are not differentiated, as with
+    # `equinox.filter_grad`, and add nothing to the norms.
+    k = _keys(2, seed=12)
+    model = _Counted(
+        eqx.nn.MLP(3, "scalar", 4, 1, key=k[0], dtype=jnp.float64), jnp.array([1, 2, 3]), 2
+    )
+    x = _normal(k[1], (B, 3))
+
+    def loss_fn(model, x):
+        return jnp.tanh(model(x)) ** 2
+
+    loss, grad, sq, norms = _reference(loss_fn, model, x)
+    np.testing.assert_allclose(dl.per_example_grad_norms(loss_fn, model, x), norms, rtol=1e-10)
+    got_sq = dl.sum_squared_grads(loss_fn, model, x)
+    _assert_tree_close(got_sq, sq)
+    assert got_sq.scale is None and got_sq.steps is None
+    got_loss, got_grad, _ = dl.value_grad_and_sum_squared_grads(loss_fn, model, x)
+    np.testing.assert_allclose(got_loss, loss, rtol=1e-12)
+    _assert_tree_close(got_grad, grad)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        dl.sum_squared_grads,
+        dl.per_example_grad_norms,
+        dl.value_grad_and_sum_squared_grads,
+    ],
+)
+def test_no_floating_leaf_raises_as_jax_grad(fn):
+    # Norms of zero (or a gradient of `None`s) would hide the mistake: `jax.grad` raises.
+    x = _normal(_keys(1)[0], (B, 3))
+
+    def loss_fn(w, x):
+        return jnp.sum(x * w)
+
+    with pytest.raises(TypeError, match="integer"):
+        jax.grad(loss_fn)(jnp.arange(3), x[0])
+    wanted = rf"`diffrax_linearize.{fn.__name__}`: `params` has no floating-point.*int"
+    with pytest.raises(TypeError, match=wanted):
+        fn(loss_fn, jnp.arange(3), x)

@@ -211,6 +211,18 @@ def test_root_finder_errors(kwargs, match):
             cls(**kwargs)
 
 
+@pytest.mark.parametrize("cls", [dl.VeryChord, dl.Newton])
+def test_root_finder_as_solver_fails_as_documented(cls):
+    # Diffrax's own error, which we cannot change (it reads `solver.term_structure` first);
+    # the docstrings quote it and say what to do instead. If Diffrax improves it, update them.
+    term = diffrax.ODETerm(lambda t, y, args: -y)
+    message = f"'{cls.__name__}' object has no attribute 'term_structure'"
+    with pytest.raises(AttributeError, match=message):
+        diffrax.diffeqsolve(term, cls(), 0.0, 1.0, 0.1, jnp.ones(2))
+    assert f"`AttributeError: {message}`" in " ".join(cls.__doc__.split())
+    assert "pass it as `root_finder=`" in cls.__doc__
+
+
 # ---- drift-implicit SDE solvers --------------------------------------------------------------
 #
 # dy = A y dt + sum_j B_j y dW_j with diagonal (so commuting) A, B_j: the exact solution is

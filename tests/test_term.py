@@ -207,6 +207,23 @@ def test_bad_inputs_name_materialise():
         dl.materialise(term, 0.0, {"a": Y}, None)
 
 
+@pytest.mark.parametrize("fn", [dl.materialise, dl.materialise_operator])
+def test_missing_args_names_the_public_signature(fn):
+    # `term.vf(t, y, args)` has no default for `args`, and neither has this.
+    term = TERMS["row_scaled"]
+    name = f"diffrax_linearize.{fn.__name__}"
+    with pytest.raises(TypeError, match=rf"`{name}\(term, t, y, args\)`.*`args` was not") as e:
+        fn(term, 0.0, Y)
+    assert "_materialise" not in str(e.value)
+    assert f"`{name}(term, t, y, None)`" in str(e.value)
+    with pytest.raises(TypeError, match="`y`, `args` were not given"):
+        fn(term, 0.0)
+    # By keyword, as `term.vf(t=..., y=..., args=...)`, it runs.
+    expected = fn(term, 0.0, Y, None)
+    got = fn(term, t=0.0, y=Y, args=None)
+    assert type(got) is type(expected)
+
+
 def test_milstein_trace_term_errors_name_itself():
     term = TERMS["row_scaled"]
     with pytest.raises(ValueError, match="milstein_trace_term") as info:

@@ -324,8 +324,8 @@ class ItoMilstein(MilsteinCommon, AbstractItoSolver):
     as Diffrax samples them) work: the result is that of `diffrax.ItoMilstein` on the
     equivalent real SDE for $(\mathrm{Re}\,y, \mathrm{Im}\,y)$. Diffrax 0.7.2's
     `diffrax.ItoMilstein` run on complex input differs from that by about $10^{-2}$ per
-    step of size $0.1$, even with a real Brownian motion: there this solver is not a
-    drop-in, it is a correction.
+    step of size $0.1$ (proportionally to the step size), even with a real Brownian
+    motion: there this solver is not a drop-in, it is a correction.
     """
 
     check_commutativity: bool = eqx.field(default=False, static=True)
