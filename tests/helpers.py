@@ -65,6 +65,45 @@ def assert_equal_to_rounding(actual, expected, *, ulps=16):
     np.testing.assert_allclose(actual, expected, rtol=0, atol=atol)
 
 
+def assert_jacobian_equal(actual, expected, *, ulps=256, exact=False, what="jacobian"):
+    """`actual` is what `jax.jacfwd` gave as `expected`: the same pytree structure, and for
+    each leaf the same shape, the same dtype, the same NaN mask, the same infinities (with
+    their signs), and finite values equal up to `ulps` units in the last place of the
+    leaf's dtype, relative to the larger of 1 and the leaf's largest finite entry; or
+    bit-for-bit equal where `exact` (a Jacobian of zeros and ones, such as a gather's,
+    has no rounding to forgive)."""
+    a_leaves, a_tree = jtu.tree_flatten(actual)
+    e_leaves, e_tree = jtu.tree_flatten(expected)
+    assert a_tree == e_tree, f"{what}: tree structures differ:\n{a_tree}\n{e_tree}"
+    for k, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        a, e = np.asarray(a), np.asarray(e)
+        where = f"{what}, leaf {k}"
+        assert a.shape == e.shape, f"{where}: shape {a.shape} != {e.shape}"
+        assert a.dtype == e.dtype, f"{where}: dtype {a.dtype} != {e.dtype}"
+        if e.dtype == jax.dtypes.float0 or not jnp.issubdtype(e.dtype, jnp.inexact):
+            assert np.array_equal(a, e), f"{where}: values differ"
+            continue
+        a_nan, e_nan = np.isnan(a), np.isnan(e)
+        assert np.array_equal(a_nan, e_nan), (
+            f"{where}: NaN patterns differ: ours NaN at {np.argwhere(a_nan & ~e_nan).tolist()}"
+            f" where jacfwd is not; jacfwd NaN at {np.argwhere(e_nan & ~a_nan).tolist()}"
+            f" where ours is not"
+        )
+        a_inf, e_inf = np.isinf(a), np.isinf(e)
+        assert np.array_equal(a_inf, e_inf) and np.array_equal(a[a_inf], e[e_inf]), (
+            f"{where}: infinities differ: ours {np.argwhere(a_inf).tolist()},"
+            f" jacfwd {np.argwhere(e_inf).tolist()}"
+        )
+        finite = np.isfinite(e)
+        a, e = a[finite], e[finite]
+        if exact:
+            assert np.array_equal(a, e), f"{where}: not bit-for-bit equal, {a} != {e}"
+            continue
+        scale = max(1.0, float(np.max(np.abs(e), initial=0.0)))
+        atol = ulps * np.finfo(e.dtype).eps * scale
+        np.testing.assert_allclose(a, e, rtol=0, atol=atol, err_msg=where)
+
+
 # ---- counting matrix-matrix products ----------------------------------------------------
 
 
