@@ -26,6 +26,14 @@ from ._sparsity import compressed_diagonal
 _API = "diffrax_linearize.StructuredLinearSolver"
 
 
+def resolution(dtype) -> float:
+    """The smallest relative tolerance an iteration in `dtype` can meet: ten units in the
+    last significant digit (1e-5 in float32, 1e-14 in float64). Tolerances below it are
+    raised to it: no update or residual can be made smaller, and a root finder or GMRES
+    asked for less would only run out of steps (float32 is JAX's default)."""
+    return 10.0 ** (1 - jnp.finfo(dtype).precision)
+
+
 def _inverse(a):
     """The inverse of a square matrix by Gauss-Jordan elimination with partial pivoting.
 
@@ -115,8 +123,13 @@ class _Krylov(_State):
             )
         vector = jnp.reshape(vector, structure.shape)
         opts = {"preconditioner": self.preconditioner, **options}
-        state = self.gmres.init(op, opts)
-        return self.gmres.compute(state, vector, opts)
+        # GMRES's scale is per entry, `atol + rtol |b_i|`: where `b_i` is zero it is `atol`
+        # alone, but the residual cannot fall below the rounding of the other entries,
+        # about `resolution |b|` (float32 stagnates at an `atol` of 1e-10).
+        floor = resolution(vector.dtype) * jnp.max(jnp.abs(vector), initial=0)
+        gmres = eqx.tree_at(lambda g: g.atol, self.gmres, jnp.maximum(self.gmres.atol, floor))
+        state = gmres.init(op, opts)
+        return gmres.compute(state, vector, opts)
 
 
 class _Delegate(_State):
@@ -179,7 +192,9 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
         These are used by the GMRES path only; the factorisations are direct.
 
         - `rtol`, `atol`: GMRES stops when the residual is below `atol + rtol * |b|`
-          (lineax's `GMRES` convention, in the max norm).
+          (lineax's `GMRES` convention, in the max norm). Tolerances below the resolution
+          of the operator's dtype (1e-5 in float32) are raised to it: `rtol` to it, `atol`
+          to it times `max |b|`.
         - `restart`: the Krylov subspace size before a restart.
         - `max_steps`: the most GMRES iterations, or `None` for no limit.
         """
@@ -365,6 +380,9 @@ def _(operator, solver, options):
     if "preconditioner" in options:
         preconditioner = options["preconditioner"]
     gmres = lx.GMRES(
-        rtol=solver.rtol, atol=solver.atol, restart=solver.restart, max_steps=solver.max_steps
+        rtol=max(solver.rtol, resolution(operator.values.dtype)),
+        atol=solver.atol,
+        restart=solver.restart,
+        max_steps=solver.max_steps,
     )
     return _Krylov(operator, preconditioner, gmres)

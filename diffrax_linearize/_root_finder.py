@@ -15,7 +15,7 @@ import optimistix as optx
 from jaxtyping import Array, Bool, PyTree, Scalar
 
 from ._compat import use_stepsize_tol
-from ._linear_solver import StructuredLinearSolver
+from ._linear_solver import resolution, StructuredLinearSolver
 from ._materialise import materialise_operator
 
 
@@ -69,7 +69,10 @@ def _update(solver, y, fx, jac, linear_state, state: _ChordState):
     diff = sol.value
     new_y = jtu.tree_map(lambda a, b: a - b, y, diff)
     with jax.numpy_dtype_promotion("standard"):
-        scale = jtu.tree_map(lambda v: solver.atol + solver.rtol * jnp.abs(v), new_y)
+        scale = jtu.tree_map(
+            lambda v: solver.atol + jnp.maximum(solver.rtol, resolution(v.dtype)) * jnp.abs(v),
+            new_y,
+        )
         diffsize = solver.norm(jtu.tree_map(lambda d, s: d / s, diff, scale))
     new_state = _ChordState(
         linear_state=state.linear_state,

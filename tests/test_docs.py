@@ -116,6 +116,19 @@ def test_page_code_runs(page):
         _assert_same_output(printed.getvalue(), "".join(_outputs(text)), page)
 
 
+@pytest.mark.parametrize("page", ["stiff.md", "sparse.md"])
+def test_guide_runs_in_float32(page):
+    """The stiff and sparse guides, which turn on x64, run without it too: in JAX's default
+    float32 the root finders' and GMRES's tolerances are raised to what float32 resolves
+    (the drift-implicit solvers' default 1e-8 ran out of steps)."""
+    line = 'jax.config.update("jax_enable_x64", True)'
+    text = (DOCS / page).read_text()
+    blocks = _runnable(_python_blocks(text))
+    assert line in "\n".join(blocks)  # the leg would test nothing otherwise
+    with jax.enable_x64(False), contextlib.redirect_stdout(io.StringIO()):
+        _run([b.replace(line, "") for b in blocks], f"docs/{page} in float32")
+
+
 def test_output_blocks_are_compared():
     shown = "step  0  loss 11.2162\nstep 29  loss 0.0157\n"
     _assert_same_output("step  0  loss 11.2162\nstep 29  loss 0.0158\n", shown, "x.md")

@@ -101,6 +101,55 @@ def test_newton_solves_the_same_problem():
     assert_tree_allclose(ours.ys, reference.ys, rtol=1e-4, atol=1e-9)
 
 
+@pytest.mark.parametrize("preconditioned", [False, True])
+def test_float32_structured_solve(preconditioned):
+    """A periodic stencil in float32, by the reordered band or by GMRES: the tolerances
+    (1e-10 by default) are raised to what float32 resolves, instead of stagnating."""
+
+    def field(u):
+        g = u.reshape(16, 16)
+        lap = sum(jnp.roll(g, s, a) for s in (1, -1) for a in (0, 1)) - 4 * g
+        return (g - 0.1 * lap).ravel()
+
+    with jax.enable_x64(False):  # JAX's default, as a user runs it
+        x = jnp.ones(256)
+        op = dl.materialise_operator(field, x)
+        assert isinstance(op, dl.SparseLinearOperator)
+        b = jnp.arange(256.0) / 256  # a zero entry: its scale is atol alone
+        options = {"preconditioner": lx.IdentityLinearOperator(op.in_structure())}
+        sol = lx.linear_solve(
+            op, b, dl.StructuredLinearSolver(), options=options if preconditioned else {}
+        )
+    assert sol.value.dtype == jnp.float32
+    np.testing.assert_allclose(op.mv(sol.value), b, atol=1e-5)
+
+
+def test_float32_root_finder_tolerances():
+    """The drift-implicit solvers' default root finder asks for 1e-8, below float32's
+    resolution: it converges all the same, to the float64 solution's float32 rounding. (No
+    noise: float32 and float64 Brownian paths differ.)"""
+
+    def drift(t, u, args):
+        p = jnp.pad(u, 1)
+        return 1e-3 * (p[2:] - 2 * u + p[:-2]) * 65**2 + u - u**3
+
+    def solve():
+        bm = diffrax.VirtualBrownianTree(0.0, 0.25, tol=2**-8, shape=(64,), key=jr.key(0))
+        terms = diffrax.MultiTerm(
+            diffrax.ODETerm(drift),
+            diffrax.ControlTerm(lambda t, u, a: lx.DiagonalLinearOperator(0.0 * u), bm),
+        )
+        u0 = 0.5 * jnp.sin(2 * jnp.pi * jnp.linspace(0, 1, 66)[1:-1])
+        sol = diffrax.diffeqsolve(terms, dl.ImplicitItoMilstein(), 0.0, 0.25, 1 / 64, u0)
+        return sol.ys[-1]
+
+    with jax.enable_x64(False):  # JAX's default, as a user runs it
+        single = solve()
+    double = solve()
+    assert single.dtype == jnp.float32 and double.dtype == jnp.float64
+    np.testing.assert_allclose(single, double, atol=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(
     tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12),
