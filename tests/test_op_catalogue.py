@@ -509,8 +509,9 @@ def all_cases():
 # is `xfail(strict=True)`: a fix turns it into an XPASS, which fails; then remove the line.
 
 _NAN_LOST = (
-    "NaN patterns out of domain: jacfwd's 0 * inf (or 0 * NaN) cross-term NaNs of a binary"
-    " op are lost, ours is finite there"
+    "documented difference (materialise's docstring): jacfwd's 0 * inf cross-term NaNs of a"
+    " binary op out of domain, where ours keeps the finite partial derivative; matching them"
+    " would read every dense block once more"
 )
 KNOWN_FAILURES: list[tuple[tuple[str, str, str, str, str], str]] = [
     *[
