@@ -4,6 +4,7 @@ from the JSON results in `benchmarks/results/`, so that none can drift from them
 
     python -m benchmarks.report            # docs/benchmarks.md and README.md
     python -m benchmarks.report --plots    # also redraw the PNG plots from the JSON
+    python -m benchmarks.report --rederive # first recompute ratios and summaries in the JSON
 
 Every benchmark gets a section. When more than one machine recorded it (CPU and GPU), the
 section opens with a side-by-side table: one line per case, its run and compile time on
@@ -466,6 +467,23 @@ PLOTTERS = {
 }
 
 
+def derived(data: dict) -> dict:
+    """`data` (one JSON result) with its derived numbers (ratios, summaries) recomputed from
+    its timings by its benchmark's `derive`; unchanged for a benchmark without one."""
+    module = PLOTTERS.get(data["benchmark"])
+    derive = getattr(importlib.import_module(module), "derive", None) if module else None
+    return derive(data) if derive else data
+
+
+def rederive():
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        new = derived(data)
+        if new != data:
+            path.write_text(json.dumps(new, indent=2, default=float) + "\n")
+            print(f"rederived {path}")
+
+
 def replot():
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
@@ -478,7 +496,14 @@ def replot():
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
     parser.add_argument("--plots", action="store_true", help="also redraw the plots")
+    parser.add_argument(
+        "--rederive",
+        action="store_true",
+        help="first recompute the ratios and summaries in the JSON from its timings",
+    )
     ns = parser.parse_args(argv)
+    if ns.rederive:
+        rederive()
     DOCS.write_text(render())
     print(f"wrote {DOCS}")
     README.write_text(update_readme(README.read_text()))

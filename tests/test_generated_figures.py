@@ -66,3 +66,15 @@ def test_ensemble_figures(tmp_path, monkeypatch):
     del rows[0]["processes"]
     (tmp_path / "ensemble-cpu-cpu.json").write_text(json.dumps(payload))
     assert "not measured yet" in report.figures()["ensemble-summary"]
+
+
+@pytest.mark.parametrize("path", sorted(report.RESULTS.glob("*.json")), ids=lambda p: p.stem)
+def test_derived_numbers_are_those_of_the_timings(path):
+    # The ratios and summaries in the JSON are recomputed from its timings by the
+    # benchmark's `derive`, each ours over the other (`python -m benchmarks.report
+    # --rederive` rewrites them without re-timing).
+    data = json.loads(path.read_text())
+    assert report.derived(data) == data, (
+        f"{path.name}: its ratios or summary are not those of its timings: run "
+        "`python -m benchmarks.report --rederive`"
+    )
