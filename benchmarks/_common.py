@@ -159,6 +159,16 @@ def fmt_time(seconds: float | None) -> str:
     return f"{seconds:.2f} s"
 
 
+def fmt_ratio(x: float | None) -> str:
+    """A ratio of times, ours over the other's: `0.487x`, or `1/793` below 0.01 (which
+    reads better than `0.00126x`)."""
+    if x is None:
+        return "—"
+    if x < 0.01:
+        return f"1/{float(f'{1 / x:.3g}'):,.0f}"
+    return f"{x:.3g}x"
+
+
 def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
     """A Markdown table; `columns` is `(key, heading)` pairs. Times (keys ending in `_s`)
     are formatted, missing values are a dash."""

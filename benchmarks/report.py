@@ -4,11 +4,13 @@ from the JSON results in `benchmarks/results/`, so that none can drift from them
 
     python -m benchmarks.report            # docs/benchmarks.md and README.md
     python -m benchmarks.report --plots    # also redraw the PNG plots from the JSON
+    python -m benchmarks.report --rederive # first recompute ratios and summaries in the JSON
 
-Every benchmark gets a section. When more than one machine recorded it (CPU and GPU), the
-section opens with a side-by-side table: one line per case, its run and compile time on
-each machine. Then one full table per machine, with the versions and machine each result
-came from.
+Every benchmark gets a section: its plot, a short table (at most eight columns, every
+ratio ours over the other's) and a link to the full JSON, per machine that recorded it;
+when more than one did (CPU and GPU), first a side-by-side table of run times. The site
+serves the PNG and JSON files from `benchmarks/results/` (the hook
+`docs/_scripts/benchmark_results.py`), so the docs hold no copies of them.
 """
 
 import argparse
@@ -17,14 +19,14 @@ import json
 import pathlib
 import re
 
-from benchmarks._common import fmt_time, markdown_table, RESULTS
+from benchmarks._common import fmt_ratio, fmt_time, markdown_table, RESULTS
 
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 # The files with generated figures in them.
-QUOTING = (ROOT / "README.md", ROOT / "docs" / "ensembles.md")
+QUOTING = (ROOT / "README.md", ROOT / "docs" / "ensembles.md", ROOT / "docs" / "squared_grads.md")
 
 TITLES = {
     "step_cost": "Step cost of one SDE step",
@@ -51,34 +53,28 @@ CASE_KEYS = {
 }
 
 
-def _cell(key, value):
-    if value is None:
-        return "—"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        if key.endswith("_s"):
-            return fmt_time(value)
-        return f"{value:.3g}"
-    if isinstance(value, dict | list):
-        return json.dumps(value)
-    return str(value)
+# Where the built site serves each result's PNG and JSON (`docs/_scripts/benchmark_results.py`
+# adds them to the site from `benchmarks/results/`, so the docs hold no copies).
+ASSETS = "assets/benchmarks"
 
-
-def _table(rows) -> str:
-    columns: list[str] = []
-    for row in rows:
-        for key in row:
-            if key not in columns:
-                columns.append(key)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(_cell(k, row.get(k)) for k in columns) + " |")
-    return "\n".join(lines)
+# What each section measures, in a sentence, above its plot.
+WHAT = {
+    "step_cost": "One jitted `solver.step`, d = m, for three diffusions.",
+    "materialise": "`materialise` of linear maps and layers against `jax.jacfwd`.",
+    "structure": "The Jacobian of a vector field with sparse structure, from `materialise`, "
+    "`jax.jacfwd` and asdex (detection and colouring timed apart).",
+    "stiff": "Implicit solves whose Newton systems have the structure `materialise` finds, "
+    "against Diffrax's default dense LU; and a stiff SPDE with drift-implicit Milstein.",
+    "adjoint": "`value_and_grad` through 100 steps of an SDE solve, d = m.",
+    "squared_grads": "Loss, gradient and squared per-example gradients (or per-example "
+    "gradient norms) in one backward pass, against per-example `vmap(grad)`.",
+    "work_precision": "Cost per path against strong error on non-commutative noise (d = 8).",
+    "ensemble": "`solve_ensemble` throughput: 256 SDE paths (d = 32), 1000 steps.",
+}
 
 
 def _side_by_side(name: str, results: list) -> list[str]:
-    """Run and compile times of each case on each machine, one line per case."""
+    """The run time of each case on each machine, one line per case."""
     keys = CASE_KEYS.get(name)
     if keys is None or len(results) < 2:
         return []
@@ -87,18 +83,115 @@ def _side_by_side(name: str, results: list) -> list[str]:
     for label, (_, data) in zip(labels, results):
         for row in data.get("rows", []):
             case = joined.setdefault(tuple(row.get(k) for k in keys), {k: row.get(k) for k in keys})
+            case["case"] = ", ".join(f"{k} {row[k]}" for k in keys if row.get(k) is not None)
             case[f"{label}:run_s"] = row.get("run_s")
-            case[f"{label}:compile_s"] = row.get("compile_s")
-    columns = [(k, k) for k in keys] + [
-        (f"{label}:{what}_s", f"{what} ({label})")
-        for label in labels
-        for what in ("run", "compile")
-    ]
+    # At most eight columns: the case in one column where its keys would make more.
+    case_columns = [(k, k) for k in keys] if len(keys) + len(labels) <= 8 else [("case", "case")]
+    columns = case_columns + [(f"{label}:run_s", f"run ({label})") for label in labels]
     return ["### Side by side", "", markdown_table(list(joined.values()), columns), ""]
 
 
-def _ratios(ratios: dict) -> list[str]:
-    """The materialise benchmark's acceptance ratios, `"what (want >= x)": value`."""
+def _ratio_cells(rows: list[dict], keys) -> list[dict]:
+    """`rows` with the ratios under `keys` written as [`fmt_ratio`][] does."""
+    return [dict(r, **{k: fmt_ratio(r[k]) for k in keys if r.get(k) is not None}) for r in rows]
+
+
+def _by(rows, *keys) -> dict:
+    return {tuple(r.get(k) for k in keys): r for r in rows}
+
+
+def _adjoint(data: dict) -> list[str]:
+    rows = data["rows"]
+    by = _by(rows, "solver", "d", "adjoint")
+    out = []
+    for r in rows:
+        if r["adjoint"] != "ours":
+            continue
+        theirs = by[(r["solver"], r["d"], "diffrax backsolve")]
+        out.append(
+            dict(
+                solver=r["solver"],
+                d=r["d"],
+                ours_s=r["run_s"],
+                diffrax=fmt_time(theirs["run_s"]) if "run_s" in theirs else "unsupported",
+                checkpoint_s=by[(r["solver"], r["d"], "checkpoint")].get("run_s"),
+                vs_diffrax=fmt_ratio(r.get("ours_over_diffrax")),
+                vs_checkpoint=fmt_ratio(r.get("ours_over_checkpoint")),
+                scratch=f"{r['scratch_MiB']:.3g} / {r['scratch_2x_MiB']:.3g} MiB",
+            )
+        )
+    columns = [
+        ("solver", "solver"),
+        ("d", "d = m"),
+        ("ours_s", "ours"),
+        ("diffrax", "diffrax backsolve"),
+        ("checkpoint_s", "checkpointing"),
+        ("vs_diffrax", "ours / diffrax backsolve"),
+        ("vs_checkpoint", "ours / checkpointing"),
+        ("scratch", "our scratch, 100 / 200 steps"),
+    ]
+    return [markdown_table(out, columns), ""]
+
+
+def _ensemble(data: dict) -> list[str]:
+    columns = [
+        ("processes", "processes"),
+        ("devices", "devices"),
+        ("cores", "cores"),
+        ("run_s", "run"),
+        ("paths_per_sec", "paths / s"),
+        ("speedup", "speed-up over 1 core"),
+        ("efficiency", "efficiency (speed-up / cores)"),
+        ("cpu_ratio", "CPU time / 1 core's"),
+    ]
+    return [markdown_table(data["rows"], columns), ""]
+
+
+def _materialise(data: dict) -> list[str]:
+    rows = data["rows"]
+    by = _by(rows, "problem", "N", "method")
+    cases = dict.fromkeys((r["problem"], r["N"]) for r in rows)
+    out = []
+    for problem, n in cases:
+        get = lambda method, key="run_s": by.get((problem, n, method), {}).get(key)  # noqa: E731
+        if problem.startswith("first call"):
+            ours, jacfwd = (
+                get("ours (eager)", "first_s"),
+                get("jax.jit(jax.jacfwd) first call", "first_s"),
+            )
+        else:
+            ours, jacfwd = get("ours"), get("jax.jacfwd")
+        out.append(
+            dict(
+                problem=problem,
+                N=n,
+                ours_s=ours,
+                jacfwd_s=jacfwd,
+                lineax_s=get("lineax.materialise"),
+                copy_s=get("copy of A"),
+                ratio=fmt_ratio(ours / jacfwd) if ours and jacfwd else None,
+            )
+        )
+    columns = [
+        ("problem", "problem"),
+        ("N", "N"),
+        ("ours_s", "ours"),
+        ("jacfwd_s", "jax.jacfwd"),
+        ("lineax_s", "lineax.materialise"),
+        ("copy_s", "copy of A"),
+        ("ratio", "ours / jax.jacfwd"),
+    ]
+    ratios = data.get("ratios")
+    return (["Acceptance ratios:", ""] + _acceptance(ratios) if ratios else []) + [
+        "Run times (the first-call line: the first, un-jitted call of each, compilation included):",
+        "",
+        markdown_table(out, columns),
+        "",
+    ]
+
+
+def _acceptance(ratios: dict) -> list[str]:
+    """The materialise benchmark's acceptance ratios, `"what (want <= x)": value`."""
     rows = []
     for key, value in ratios.items():
         match = re.fullmatch(r"(.*) \(want (<=|>=) ([\d.]+)\)", key)
@@ -107,13 +200,173 @@ def _ratios(ratios: dict) -> list[str]:
             None if op is None else (value >= float(bound) if op == ">=" else value <= float(bound))
         )
         rows.append(
-            dict(what=what, value=f"{value:.3g}", want=f"{op} {bound}" if op else "—", met=met)
+            dict(what=what, value=fmt_ratio(value), want=f"{op} {bound}" if op else None, met=met)
         )
-    return [_table(rows), ""]
+    columns = [("what", "what"), ("value", "ratio"), ("want", "want"), ("met", "met")]
+    for row in rows:
+        row["met"] = {True: "yes", False: "no", None: None}[row["met"]]
+    return [markdown_table(rows, columns), ""]
 
 
-def _work_precision_summary(data: dict) -> list[str]:
+def _squared_grads(data: dict) -> list[str]:
+    rows = data["rows"]
+    from benchmarks.squared_grads import REFERENCES
+
+    by = _by(rows, "model", "B", "method")
+    out = []
+    for r in rows:
+        if r["method"] not in REFERENCES:
+            continue
+        ref = by[(r["model"], r["B"], REFERENCES[r["method"]])]
+        out.append(
+            dict(
+                model=r["model"],
+                B=r["B"],
+                method=f"`{r['method']}`",
+                run_s=r["run_s"],
+                vs_grad=fmt_ratio(r["time_vs_grad"]),
+                ref_s=ref["run_s"],
+                vs_vmap=fmt_ratio(r["ours_over_vmap"]),
+                scratch=f"{_mib(r['scratch_MiB'])} / {_mib(ref['scratch_MiB'])}",
+            )
+        )
+    columns = [
+        ("model", "model"),
+        ("B", "B"),
+        ("method", "ours"),
+        ("run_s", "run"),
+        ("vs_grad", "ours / value_and_grad"),
+        ("ref_s", "vmap(grad)"),
+        ("vs_vmap", "ours / vmap(grad)"),
+        ("scratch", "scratch, ours / vmap(grad)"),
+    ]
+    return [markdown_table(out, columns), ""]
+
+
+def _step_cost(data: dict) -> list[str]:
+    rows = data["rows"]
+    by = _by(rows, "diffusion", "d", "solver")
+    cells = dict.fromkeys((r["diffusion"], r["d"]) for r in rows)
+    out = []
+    for diffusion, d in cells:
+        t = lambda solver: by[(diffusion, d, solver)].get("run_min_s")  # noqa: E731
+        ratio = lambda a, b: fmt_ratio(a / b) if a and b else None  # noqa: E731
+        out.append(
+            dict(
+                diffusion=diffusion,
+                d=d,
+                ito_s=t("ours_ito"),
+                diffrax_ito_s=t("diffrax_ito"),
+                vs_ito=ratio(t("ours_ito"), t("diffrax_ito")),
+                strat_s=t("ours_strat"),
+                vs_strat=ratio(t("ours_strat"), t("diffrax_strat")),
+                vs_euler=ratio(t("ours_ito"), t("euler")),
+            )
+        )
+    columns = [
+        ("diffusion", "diffusion"),
+        ("d", "d = m"),
+        ("ito_s", "ours, Itô"),
+        ("diffrax_ito_s", "diffrax.ItoMilstein"),
+        ("vs_ito", "ours / diffrax.ItoMilstein"),
+        ("strat_s", "ours, Stratonovich"),
+        ("vs_strat", "ours / diffrax.StratonovichMilstein"),
+        ("vs_euler", "ours, Itô / diffrax.Euler"),
+    ]
+    skipped = {}
+    for r in rows:
+        if "skipped" in r:
+            skipped.setdefault((r["diffusion"], r["d"], r["skipped"]), []).append(r["solver"])
+    out_lines = [
+        "Fastest of the interleaved rounds of each step (a step takes microseconds, and on a "
+        "shared machine a median carries the neighbours' load: by medians the diagonal step "
+        "would come out cheaper than the Euler step it contains).",
+        "",
+        markdown_table(out, columns),
+        "",
+    ]
+    if skipped:
+        every = len({r["solver"] for r in rows})
+        notes = [
+            f"{diffusion}, d = {d}"
+            + ("" if len(solvers) == every else ", " + ", ".join(solvers))
+            + f" ({why})"
+            for (diffusion, d, why), solvers in skipped.items()
+        ]
+        out_lines += ["Not run (a dash): " + "; ".join(notes) + ".", ""]
+    return out_lines
+
+
+def _stiff(data: dict) -> list[str]:
+    summary = []
+    for s in data["summary"]:
+        n = s["N"]
+        size = f"{n} x {n} grid" if s["problem"] == "brusselator_2d" else f"x {n}"
+        summary.append(
+            dict(
+                s,
+                problem=f"{s['problem']}, {size}",
+                ratio=fmt_ratio(s.get("ours_over_default")),
+                diff=None if s.get("diff") is None else f"{s['diff']:.1e}",
+            )
+        )
+    columns = [
+        ("problem", "problem"),
+        ("unknowns", "unknowns"),
+        ("ours_s", "ours"),
+        ("default_s", "diffrax default"),
+        ("ratio", "ours / diffrax default"),
+        ("vmap_s", "vmap(diffeqsolve)"),
+        ("steps", "steps (accepted + rejected)"),
+        ("diff", "max rel. difference"),
+    ]
+    spde = [r for r in data["rows"] if "rms_error" in r]
+    out = ["Per solve:", "", markdown_table(summary, columns), ""]
+    if spde:
+        (stable,) = {r["stable_steps"] for r in spde}
+        (problem,) = {(r["problem"], r["N"]) for r in spde}
+        out += [
+            f"{problem[0]} (n = {problem[1]}), per path; explicit schemes are stable from "
+            f"about {stable} steps:",
+            "",
+            markdown_table(
+                [
+                    dict(r, rms_error=f"{r['rms_error']:.2e}", path_s=r["run_s_per_path"])
+                    for r in spde
+                ],
+                [
+                    ("method", "method"),
+                    ("steps", "steps"),
+                    ("path_s", "time per path"),
+                    ("rms_error", "RMS error"),
+                ],
+            ),
+            "",
+        ]
+    return out
+
+
+def _structure(data: dict) -> list[str]:
+    summary = _ratio_cells(data["summary"], ("ours_over_jacfwd", "ours_over_asdex"))
+    columns = [
+        ("field", "field"),
+        ("unknowns", "unknowns"),
+        ("structure", "structure found"),
+        ("ours_s", "ours"),
+        ("jacfwd_s", "jax.jacfwd"),
+        ("asdex_s", "asdex"),
+        ("ours_over_jacfwd", "ours / jax.jacfwd"),
+        ("ours_over_asdex", "ours / asdex"),
+    ]
+    return [markdown_table(summary, columns), ""]
+
+
+def _work_precision(data: dict) -> list[str]:
     noisy = _noisy(data)
+    measured = {}
+    for r in data["rows"]:
+        key = (r["m"], r["method"])
+        measured[key] = max(measured.get(key, 0), r["steps"])
     rows = []
     for s in data["summary"]:
         series = sorted(
@@ -122,9 +375,13 @@ def _work_precision_summary(data: dict) -> list[str]:
         )
         # An extrapolation runs along the last three points: say if one of them is noisy.
         used = {(s["m"], s["method"], r["steps"]) for r in series[-3:]}
-        how = "extrapolated" if s["extrapolated"] else "interpolated"
-        if s["extrapolated"] and used & set(noisy):
-            how += ", from a noisy timing"
+        if s["extrapolated"]:
+            most = measured[(s["m"], s["method"])]
+            how = f"extrapolated {s['steps_at_1e_3'] / most:.0f}x past the {most} steps measured"
+            if used & set(noisy):
+                how += ", from a noisy timing"
+        else:
+            how = "interpolated"
         rows.append(
             dict(
                 m=s["m"],
@@ -167,45 +424,17 @@ def _noisy(data: dict) -> dict:
     return noisy_points(data["rows"])
 
 
-def _notes(name: str, data: dict) -> list[str]:
-    """The recorded notes beside the rows: small values as a list, tables as tables."""
-    out, listed = [], []
-    for key, value in data.items():
-        if key in ("benchmark", "machine", "rows"):
-            continue
-        if name == "materialise" and key == "ratios":
-            out += ["Acceptance ratios:", ""] + _ratios(value)
-        elif name == "work_precision" and key == "summary":
-            out += _work_precision_summary(data)
-        elif name == "structure" and key == "summary":
-            from benchmarks.structure import COLUMNS
-
-            out += ["Side by side, per field and size:", "", markdown_table(value, COLUMNS), ""]
-        elif name == "stiff" and key == "summary":
-            from benchmarks.stiff import SUMMARY_COLUMNS
-
-            out += ["Per solve:", "", markdown_table(value, SUMMARY_COLUMNS), ""]
-        else:
-            listed.append(f"- {key}: {_cell(key, value)}")
-    return (listed + [""] if listed else []) + out
-
-
-def _annotated_rows(name: str, data: dict) -> list[dict]:
-    rows = data.get("rows", [])
-    if name == "work_precision":
-        noisy = _noisy(data)
-        return [
-            dict(
-                r,
-                noisy=(
-                    f"{noisy[c]:.1f}x"
-                    if (c := (r["m"], r["method"], r["steps"])) in noisy
-                    else None
-                ),
-            )
-            for r in rows
-        ]
-    return rows
+# Each benchmark's short table (at most eight columns), from one result file.
+SHORT = {
+    "adjoint": _adjoint,
+    "ensemble": _ensemble,
+    "materialise": _materialise,
+    "squared_grads": _squared_grads,
+    "step_cost": _step_cost,
+    "stiff": _stiff,
+    "structure": _structure,
+    "work_precision": _work_precision,
+}
 
 
 def _machine_line(m) -> str:
@@ -228,17 +457,29 @@ def render() -> str:
         "# Benchmarks",
         "",
         "Generated by `python -m benchmarks.report` from `benchmarks/results/*.json`; do not "
-        "edit by hand. Times are medians of repeats after compilation; compile times are "
-        "reported separately. Plots are the PNG files beside the JSON.",
+        "edit by hand. Times are medians of repeats after compilation unless a section says "
+        "otherwise; compile times are reported separately, in the JSON. Every ratio is ours "
+        "over the other's time (below 1: ours is faster; `1/40` is 0.025). Each section has "
+        "its plot, a short table and the full data (every row, with compile times, minima, "
+        "repeats and the versions) as JSON.",
         "",
     ]
     for name in sorted(by_bench):
         out += [f"## {TITLES.get(name, name)}", ""]
+        if name in WHAT:
+            out += [WHAT[name], ""]
         out += _side_by_side(name, by_bench[name])
         for path, data in by_bench[name]:
-            out += [f"### {path.stem}", "", _machine_line(data.get("machine", {})), ""]
-            out += _notes(name, data)
-            out += [_table(_annotated_rows(name, data)), ""]
+            png = path.with_suffix(".png")
+            out += [f"### {path.stem}", ""]
+            if png.is_file():
+                out += [f"![{TITLES.get(name, name)}, {path.stem}]({ASSETS}/{png.name})", ""]
+            out += SHORT[name](data) if name in SHORT else []
+            out += [
+                f"{_machine_line(data.get('machine', {}))}. Full data: "
+                f"[`{path.name}`]({ASSETS}/{path.name}).",
+                "",
+            ]
     if not by_bench:
         out.append("No results recorded yet: run `make bench`.")
     return "\n".join(out) + "\n"
@@ -266,9 +507,45 @@ def _ensemble_figures() -> dict[str, str]:
     }
 
 
+SQUARED_GRADS_FIGURES = (
+    "squared-grads-vmap-scratch",
+    "squared-grads-mlp-vs-grad",
+    "squared-grads-mlp-vs-vmap",
+    "squared-grads-transformer-vs-grad",
+    "squared-grads-transformer-vs-vmap",
+)
+
+
+def _squared_grads_figures() -> dict[str, str]:
+    """The figures of `docs/squared_grads.md`'s prose."""
+    if not (RESULTS / "squared_grads-cpu-cpu.json").is_file():
+        missing = "(not measured yet: run `python -m benchmarks.squared_grads`)"
+        return dict.fromkeys(SQUARED_GRADS_FIGURES, missing)
+    data = _load("squared_grads")
+    row = lambda model, B, method: _row(data, model=model, B=B, method=method)  # noqa: E731
+    spread = lambda xs: (  # noqa: E731
+        f"{min(xs):.2f}x to {max(xs):.2f}x"
+        if f"{min(xs):.2f}" != f"{max(xs):.2f}"
+        else f"{xs[0]:.2f}x"
+    )
+    both = "value_grad_and_sum_squared_grads"
+    sizes = sorted({r["B"] for r in data["rows"] if r["model"] == "transformer"})
+    return {
+        "squared-grads-vmap-scratch": _mib(row("mlp", 1024, "vmap(grad) squares")["scratch_MiB"]),
+        "squared-grads-mlp-vs-grad": f"{row('mlp', 1024, both)['time_vs_grad']:.2f}x",
+        "squared-grads-mlp-vs-vmap": fmt_ratio(row("mlp", 1024, both)["ours_over_vmap"]),
+        "squared-grads-transformer-vs-grad": spread(
+            [row("transformer", B, both)["time_vs_grad"] for B in sizes]
+        ),
+        "squared-grads-transformer-vs-vmap": spread(
+            [row("transformer", B, "sum_squared_grads")["ours_over_vmap"] for B in sizes]
+        ),
+    }
+
+
 def figures() -> dict[str, str]:
     """The generated figures, by name."""
-    return _ensemble_figures()
+    return _ensemble_figures() | _squared_grads_figures()
 
 
 def fill(text: str, pieces: dict[str, str]) -> str:
@@ -360,12 +637,16 @@ def readme_table() -> str:
         ("row_scaled", 256, "`g_ij = y_i G_ij`, d=m=256"),
         ("dense_linear", 256, "`g(y) = A y`, d=m=256"),
     ):
+        # The fastest round, as on the benchmarks page: by medians a microsecond step carries
+        # the machine's load (ours would come out cheaper than the Euler step it contains).
         r = _row(step, diffusion=diffusion, d=d, solver="ours_ito")
+        euler = _row(step, diffusion=diffusion, d=d, solver="euler")["run_min_s"]
+        theirs = t(step, "run_min_s", diffusion=diffusion, d=d, solver="diffrax_ito")
         rows.append(
             (
-                f"Itô Milstein step, {what}",
-                f"{_fmt3(r['run_s'])} ({r['ratio_to_euler']:.1f}x Euler)",
-                f"`diffrax.ItoMilstein` {t(step, diffusion=diffusion, d=d, solver='diffrax_ito')}",
+                f"Itô Milstein step, {what} (fastest round)",
+                f"{_fmt3(r['run_min_s'])} ({r['run_min_s'] / euler:.1f}x Euler)",
+                f"`diffrax.ItoMilstein` {theirs}",
             )
         )
     for m in (10, 50):
@@ -379,7 +660,12 @@ def readme_table() -> str:
         ours_cell = f"{_fmt3(g['run_s_at_1e_3'])} (`GeneralItoMilstein`, order {g['order']:.2f})"
         if m != 10:
             ours_cell = f"{_fmt3(g['run_s_at_1e_3'])} (order {g['order']:.2f})"
-        how = "extrapolated, " if e["extrapolated"] else ""
+        most = max(r["steps"] for r in wp["rows"] if (r["m"], r["method"]) == (m, e["method"]))
+        how = (
+            f"extrapolated {e['steps_at_1e_3'] / most:.0f}x past the {most} steps measured, "
+            if e["extrapolated"]
+            else ""
+        )
         rows.append(
             (
                 what,
@@ -466,6 +752,23 @@ PLOTTERS = {
 }
 
 
+def derived(data: dict) -> dict:
+    """`data` (one JSON result) with its derived numbers (ratios, summaries) recomputed from
+    its timings by its benchmark's `derive`; unchanged for a benchmark without one."""
+    module = PLOTTERS.get(data["benchmark"])
+    derive = getattr(importlib.import_module(module), "derive", None) if module else None
+    return derive(data) if derive else data
+
+
+def rederive():
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        new = derived(data)
+        if new != data:
+            path.write_text(json.dumps(new, indent=2, default=float) + "\n")
+            print(f"rederived {path}")
+
+
 def replot():
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
@@ -478,7 +781,14 @@ def replot():
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
     parser.add_argument("--plots", action="store_true", help="also redraw the plots")
+    parser.add_argument(
+        "--rederive",
+        action="store_true",
+        help="first recompute the ratios and summaries in the JSON from its timings",
+    )
     ns = parser.parse_args(argv)
+    if ns.rederive:
+        rederive()
     DOCS.write_text(render())
     print(f"wrote {DOCS}")
     README.write_text(update_readme(README.read_text()))

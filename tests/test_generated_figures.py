@@ -2,6 +2,7 @@
 results (`python -m benchmarks.report`), so they cannot drift from them."""
 
 import json
+import re
 
 import pytest
 from benchmarks import report
@@ -66,3 +67,113 @@ def test_ensemble_figures(tmp_path, monkeypatch):
     del rows[0]["processes"]
     (tmp_path / "ensemble-cpu-cpu.json").write_text(json.dumps(payload))
     assert "not measured yet" in report.figures()["ensemble-summary"]
+
+
+@pytest.mark.parametrize("path", sorted(report.RESULTS.glob("*.json")), ids=lambda p: p.stem)
+def test_derived_numbers_are_those_of_the_timings(path):
+    # The ratios and summaries in the JSON are recomputed from its timings by the
+    # benchmark's `derive`, each ours over the other (`python -m benchmarks.report
+    # --rederive` rewrites them without re-timing).
+    data = json.loads(path.read_text())
+    assert report.derived(data) == data, (
+        f"{path.name}: its ratios or summary are not those of its timings: run "
+        "`python -m benchmarks.report --rederive`"
+    )
+
+
+#
+# Hand-written figures: none in the prose of the README and the guides.
+#
+
+ROOT = report.ROOT
+# A measured quantity as prose writes one: a ratio, a time, a memory size or a rate.
+_FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x(?!\w)|\s?(?:µs|ms|s|MiB|GiB)(?!\w)|\s?paths/s)"
+)
+# Figures in the prose that are not benchmark results, by page, and why.
+NOT_MEASURED = {
+    "docs/devdocs/diffrax_tests.md": {"8 MiB": "the default stack size of a thread"},
+    "docs/devdocs/structure_engine.md": {"1 MiB": "a threshold of the constant cache"},
+    "docs/ensembles.md": {
+        "2 s": "the order of magnitude of the guide's own example, not a recorded result",
+        "20 µs": "the same, per path and step",
+        "60 s": "a timeout",
+        "10 s": "a timeout of the multi-process test",
+        "5 s": "a timeout of the multi-process test",
+        "3.4x": "the wrong figure of an earlier version, quoted as such",
+    },
+    "docs/squared_grads.md": {"1.42x": "an operation count, not a timing"},
+}
+
+
+def _prose(path) -> str:
+    """`path`'s text without its code, its generated regions and the README's table."""
+    text = path.read_text()
+    start, end = text.find(report.README_START), text.find(report.README_END)
+    text = text[:start] + text[end:] if start >= 0 else text
+    text = report._GENERATED.sub("", text)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _pages():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [p for p in pages if p != report.DOCS]
+
+
+def _name(path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("path", _pages(), ids=_name)
+def test_no_hand_written_benchmark_figures(path):
+    # A measured figure in prose is generated from the JSON by `python -m benchmarks.report`
+    # (between `<!-- generated:NAME -->` markers, a piece of `report.figures()`), so that it
+    # cannot drift from the results: "1.49x" beside a table that says 1.06x.
+    allowed = NOT_MEASURED.get(_name(path), {})
+    found = [m[0] for m in _FIGURE.finditer(_prose(path)) if m[0] not in allowed]
+    assert not found, (
+        f"{_name(path)}: figures written by hand: {found}. Generate them from the JSON "
+        "(`benchmarks/report.py`'s `figures()`) or, if they are not benchmark results, list "
+        "them in NOT_MEASURED with the reason"
+    )
+
+
+def test_not_measured_figures_are_still_there():
+    for name, figures in NOT_MEASURED.items():
+        found = {m[0] for m in _FIGURE.finditer(_prose(ROOT / name))}
+        assert set(figures) <= found, (name, set(figures) - found)
+
+
+def _readme_row(what: str) -> str:
+    (line,) = [x for x in report.README.read_text().splitlines() if x.startswith(f"| {what}")]
+    return line
+
+
+def test_readme_step_cost_compares_fastest_rounds():
+    # By medians the diagonal Milstein step came out 0.7x the Euler step it contains: on a
+    # busy machine a median of a microsecond step carries the load. The README quotes minima.
+    data = json.loads((report.RESULTS / "step_cost-cpu-cpu.json").read_text())
+    rows = {(r["diffusion"], r["d"], r["solver"]): r for r in data["rows"]}
+    ours = rows[("diagonal", 1024, "ours_ito")]["run_min_s"]
+    euler = rows[("diagonal", 1024, "euler")]["run_min_s"]
+    line = _readme_row("Itô Milstein step, diagonal")
+    assert "fastest round" in line
+    assert f"{report._fmt3(ours)} ({ours / euler:.1f}x Euler)" in line, line
+
+
+def test_extrapolated_costs_say_how_far():
+    # Euler-Maruyama's cost at RMS error 1e-3 lies about 80x past the steps measured.
+    data = json.loads((report.RESULTS / "work_precision-cpu-cpu.json").read_text())
+    (e,) = [s for s in data["summary"] if s["m"] == 10 and s["method"].startswith("Euler-Maruyama")]
+    most = max(r["steps"] for r in data["rows"] if (r["m"], r["method"]) == (10, e["method"]))
+    how = f"extrapolated {e['steps_at_1e_3'] / most:.0f}x past the {most} steps measured"
+    assert how in _readme_row("non-commutative noise, m=10")
+    assert how in report.DOCS.read_text()
+
+
+def test_squared_grads_guide_quotes_generated_figures():
+    text = (ROOT / "docs" / "squared_grads.md").read_text()
+    assert set(report._squared_grads_figures()) == set(report.SQUARED_GRADS_FIGURES)
+    for name in report.SQUARED_GRADS_FIGURES:
+        assert f"<!-- generated:{name} -->" in text, name

@@ -232,6 +232,60 @@ def test_mathjax_is_shipped_with_the_site(site):
 
 
 #
+# The benchmarks page: one plot per benchmark, short tables.
+#
+
+BENCHMARKS_PAGE = "benchmarks"
+
+
+def _sections(page: _Node) -> dict[str, list[_Node]]:
+    """The nodes under each `<h2>` of a page's article, by the heading's text."""
+    (article,) = [n for n in page.walk() if n.tag == "article"]
+    sections: dict[str, list[_Node]] = {}
+    current = None
+    for child in article.children:
+        if isinstance(child, _Node) and child.tag == "h2":
+            current = sections.setdefault(child.text().strip("¶ \n"), [])
+        elif isinstance(child, _Node) and current is not None:
+            current.append(child)
+    return sections
+
+
+def _recorded_benchmarks() -> set[str]:
+    import json
+
+    results = ROOT / "benchmarks" / "results"
+    return {json.loads(p.read_text())["benchmark"] for p in results.glob("*.json")}
+
+
+def test_benchmarks_page_has_a_plot_per_benchmark(site):
+    path = site / BENCHMARKS_PAGE / "index.html"
+    sections = _sections(_parse(path))
+    assert len(sections) == len(_recorded_benchmarks()), sorted(sections)
+    for title, nodes in sections.items():
+        images = [n for node in nodes for n in node.walk() if n.tag == "img"]
+        assert images, f"the benchmarks page's section {title!r} has no plot"
+        for image in images:
+            src = image.attrs["src"]
+            assert (path.parent / src).resolve().is_file(), f"{title!r}: {src} is not in the site"
+            assert image.attrs.get("alt"), f"{title!r}: {src} has no alt text"
+        links = [n.attrs.get("href", "") for node in nodes for n in node.walk() if n.tag == "a"]
+        data = [h for h in links if h.endswith(".json")]
+        assert data, f"{title!r} does not link its full data"
+        assert all((path.parent / h).resolve().is_file() for h in data), data
+
+
+def test_benchmarks_page_tables_are_short(site):
+    for table in (
+        n for n in _parse(site / BENCHMARKS_PAGE / "index.html").walk() if n.tag == "table"
+    ):
+        headings = [n.text().strip() for n in table.walk() if n.tag == "th"]
+        assert len(headings) <= 8, f"a table of {len(headings)} columns: {headings}"
+        raw = [h for h in headings if re.search(r"_(s|MiB|ratio)$|^run_|_vs_", h)]
+        assert not raw, f"raw JSON keys as column headings: {raw}"
+
+
+#
 # A real browser: the maths of a maths-heavy page is typeset, offline.
 #
 
@@ -243,11 +297,30 @@ def _browser() -> str | None:
     return None
 
 
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    # A script to add to the page at a path, for the check to read its result in the DOM.
+    inject: dict[str, str] = {}
+
+    def do_GET(self):
+        script = self.inject.get(self.path)
+        if script is None:
+            return super().do_GET()
+        page = (pathlib.Path(self.directory) / self.path.strip("/") / "index.html").read_text()
+        body = page.replace("</body>", f"<script>{script}</script></body>").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 @contextlib.contextmanager
-def _serve(root: pathlib.Path):
+def _serve(root: pathlib.Path, inject: dict[str, str] | None = None):
     """The site over HTTP on the loopback interface (MathJax loads its fonts with
-    requests that `file://` pages may not make)."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    requests that `file://` pages may not make), with `inject`'s scripts added to pages."""
+    handler = functools.partial(
+        type("Handler", (_Handler,), {"inject": inject or {}}), directory=str(root)
+    )
 
     class Quiet(http.server.ThreadingHTTPServer):
         def handle_error(self, request, client_address):
@@ -281,17 +354,22 @@ def _chromium(browser: str, url: str, *extra: str) -> subprocess.CompletedProces
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.browser
-def test_maths_renders_offline_in_a_headless_browser(site, tmp_path):
+def _require_browser() -> str:
     browser = _browser()
     if browser is None:
         why = (
             "no Chromium found: install Debian's `chromium` (`apt-get install chromium`; "
-            "`.ci/run` does when it runs as root) to check the maths in a real browser"
+            "`.ci/run` does when it runs as root) to check the site in a real browser"
         )
         if os.environ.get("DOCS_REQUIRE_BROWSER"):  # as `.ci/run` sets it
             pytest.fail(f"{why} (DOCS_REQUIRE_BROWSER is set)")
         pytest.skip(why)
+    return browser
+
+
+@pytest.mark.browser
+def test_maths_renders_offline_in_a_headless_browser(site, tmp_path):
+    browser = _require_browser()
     screenshot = pathlib.Path(os.environ.get("DOCS_SCREENSHOT", tmp_path / "maths.png"))
     with _serve(site) as url:
         dom = _chromium(browser, f"{url}/{MATHS_PAGE}/", "--dump-dom")
@@ -302,3 +380,29 @@ def test_maths_renders_offline_in_a_headless_browser(site, tmp_path):
     raw = re.findall(r"\\\(|\\\[", html.unescape(re.sub(r"<script.*?</script>", "", dom.stdout)))
     assert typeset >= 5, f"MathJax typeset {typeset} formulas on {MATHS_PAGE}"
     assert not raw, f"{len(raw)} formulas left as raw LaTeX on {MATHS_PAGE}"
+
+
+# After the page has loaded, each image's decoded width, where the DOM dump shows it.
+_IMAGE_WIDTHS = (
+    "window.addEventListener('load', () => document.querySelectorAll('article img')"
+    ".forEach(i => i.setAttribute('data-loaded-width', i.complete ? i.naturalWidth : 0)));"
+)
+
+
+@pytest.mark.browser
+def test_benchmark_plots_load_in_a_headless_browser(site):
+    browser = _require_browser()
+    path = f"/{BENCHMARKS_PAGE}/"
+    with _serve(site, inject={path: _IMAGE_WIDTHS}) as url:
+        dom = _chromium(browser, url + path, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    images = re.findall(r"<img[^>]*>", dom.stdout)
+    # No width recorded: the page's load event never fired (an image still loading).
+    widths = {
+        re.search(r'src="([^"]*)"', i)[1]: int(m[1] if m else 0)
+        for i in images
+        for m in [re.search(r'data-loaded-width="(\d+)"', i)]
+    }
+    assert len(widths) >= len(_recorded_benchmarks()), widths
+    broken = [src for src, width in widths.items() if width == 0]
+    assert not broken, f"plots that did not load on the benchmarks page: {broken}"
