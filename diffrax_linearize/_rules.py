@@ -1351,6 +1351,18 @@ def _window_reason(eqn) -> str:
     return f"a window of more than {_CONV_MAX_WINDOW} elements"
 
 
+def _selection_kept(eqn, lin, operand, aval) -> bool:
+    """Whether a pool's selection keeps its window pattern: a linear tangent with a
+    pattern, a constant operand, a small window, and position codes exact in the dtype."""
+    return (
+        isinstance(lin, Lin)
+        and not isinstance(operand, Lin)
+        and _has_pattern(lin)
+        and math.prod(eqn.params["window_dimensions"]) <= _CONV_MAX_WINDOW
+        and math.prod(aval.shape) < 2 ** (jnp.finfo(aval.dtype).nmant + 1)
+    )
+
+
 @register_rule(prim("select_and_gather_add"))
 def _select_and_gather_add_rule(ctx, eqn, vals):
     """The tangent of a max or min pool: each output takes the tangent at its window's
@@ -1360,14 +1372,7 @@ def _select_and_gather_add_rule(ctx, eqn, vals):
     primitive itself, applied to the positions' codes (so ties break as it breaks them)."""
     t, operand = vals
     aval = eqn.invars[0].aval
-    n = math.prod(aval.shape)
-    if (
-        not isinstance(t, Lin)
-        or isinstance(operand, Lin)
-        or not _has_pattern(t)
-        or math.prod(eqn.params["window_dimensions"]) > _CONV_MAX_WINDOW
-        or n >= 2 ** (jnp.finfo(aval.dtype).nmant + 1)  # codes exact in the tangent dtype
-    ):
+    if not _selection_kept(eqn, t, operand, aval):
         return _apply_along_out(ctx, eqn, vals, lost=_window_reason(eqn))
     return _interpret_fn(ctx, _selection_as_shifts(eqn.params, operand, aval), t, aval)
 
@@ -1395,14 +1400,7 @@ def _select_and_scatter_add_rule(ctx, eqn, vals):
     the transpose of its shifted, selected slices."""
     s, operand = vals
     aval = eqn.invars[1].aval
-    n = math.prod(aval.shape)
-    if (
-        not isinstance(s, Lin)
-        or isinstance(operand, Lin)
-        or not _has_pattern(s)
-        or math.prod(eqn.params["window_dimensions"]) > _CONV_MAX_WINDOW
-        or n >= 2 ** (jnp.finfo(aval.dtype).nmant + 1)
-    ):
+    if not _selection_kept(eqn, s, operand, aval):
         return _apply_along_out(ctx, eqn, vals, lost=_window_reason(eqn))
     params = dict(eqn.params, base_dilation=(1,) * len(aval.shape))
     params["window_dilation"] = params["base_dilation"]
