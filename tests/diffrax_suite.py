@@ -83,17 +83,25 @@ SELECTION = [
 DESELECTED = ["test/test_adjoint.py::test_implicit"]
 
 # Diffrax's tests that build implicit solvers (or call `diffrax.VeryChord`), for
-# `--implicit`. `test_vmap.py`, `test_adjoint.py::test_implicit` and most of
-# `test_event.py` build no implicit solver: they check that the substitution breaks
-# nothing around them.
+# `--implicit`. `test_ode_order` and `test_detest.py` run every solver of `helpers.py`;
+# only the implicit ones are taken: `all_ode_solvers[10:14]` (`ImplicitEuler`,
+# `Kvaerno3`, `Kvaerno4`, `Kvaerno5`) and `all_split_solvers` (`Sil3`, `KenCarp3`,
+# `KenCarp4`, `KenCarp5`, `solver14` to `solver17` in `test_ode_order`'s ids).
+# `test_vmap.py`, `test_adjoint.py::test_implicit` and most of `test_event.py` build no
+# implicit solver: they check that the substitution breaks nothing around them.
+_IMPLICIT_ODE = range(10, 14)
 IMPLICIT_SELECTION = [
-    "test/test_integrate.py::test_ode_order",
+    *(
+        f"test/test_integrate.py::test_ode_order[{dtype}-solver{i}]"
+        for dtype in ("float64", "complex128")
+        for i in [*_IMPLICIT_ODE, 14, 15, 16, 17]
+    ),
     "test/test_integrate.py::test_grad_implicit_solve",
     "test/test_integrate.py::test_no_jit",
     "test/test_integrate.py::test_static",
     "test/test_integrate.py::test_implicit_tol_error",
     "test/test_integrate.py::test_vmap_backprop_with_event",
-    "test/test_detest.py",
+    *(f"test/test_detest.py::test_{p}[solver{i}]" for p in "abcde" for i in _IMPLICIT_ODE),
     "test/test_very_chord.py",
     "test/test_solver.py::test_implicit_euler_adaptive",
     "test/test_solver.py::test_everything_pytree",
