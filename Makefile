@@ -45,10 +45,16 @@ test-latest:
 	.venv-latest/bin/python -m pytest -q -n $(TEST_WORKERS)
 
 # Diffrax 0.7.2's own tests with our ItoMilstein, StratonovichMilstein and BacksolveAdjoint
-# in place of Diffrax's (not part of `make test`; see tests/diffrax_suite.py for where the
-# tests come from: DIFFRAX_GIT=/path/to/diffrax-clone or DIFFRAX_TESTS=/path/to/test).
+# in place of Diffrax's, then its implicit-solver tests with our VeryChord and then our
+# Newton as the root finder of every implicit solver (not part of `make test`; see
+# tests/diffrax_suite.py for where the tests come from: DIFFRAX_GIT=/path/to/diffrax-clone
+# or DIFFRAX_TESTS=/path/to/test). All three run; the target fails if any failed.
 test-diffrax: $(STAMP)
-	$(PY) tests/diffrax_suite.py -q
+	rc=0; \
+	$(PY) tests/diffrax_suite.py -q || rc=1; \
+	$(PY) tests/diffrax_suite.py --implicit verychord -q || rc=1; \
+	$(PY) tests/diffrax_suite.py --implicit newton -q || rc=1; \
+	exit $$rc
 
 # The site, then the checks on it (tests/test_site.py): every public name described, no
 # network requests, and the maths typeset offline in a headless Chromium (screenshot in

@@ -57,6 +57,10 @@ def _check_argnums(argnums, nargs: int, api: str) -> tuple[int, ...]:
     return tuple(i % nargs for i in nums)
 
 
+# The APIs that take `holomorphic=`, which an error may advise.
+_HOLOMORPHIC_APIS = ("diffrax_linearize.materialise", "diffrax_linearize.materialise_operator")
+
+
 def _check_inputs(leaves, holomorphic: bool, api: str):
     if not leaves:
         raise TypeError(
@@ -76,11 +80,12 @@ def _check_inputs(leaves, holomorphic: bool, api: str):
                     f"`{api}` with `holomorphic=True` requires complex inputs, got {dtype}."
                 )
         elif not jnp.issubdtype(dtype, jnp.floating):
-            hint = (
-                " For holomorphic functions of complex inputs pass `holomorphic=True`."
-                if jnp.issubdtype(dtype, jnp.complexfloating)
-                else " Convert integer or boolean inputs to a floating dtype first."
-            )
+            if not jnp.issubdtype(dtype, jnp.complexfloating):
+                hint = " Convert integer or boolean inputs to a floating dtype first."
+            elif api in _HOLOMORPHIC_APIS:
+                hint = " For holomorphic functions of complex inputs pass `holomorphic=True`."
+            else:  # an API without the option
+                hint = " Split complex inputs into their real and imaginary parts."
             raise TypeError(
                 f"`{api}` requires real floating-point inputs (as `jax.jacfwd` does), got "
                 f"{dtype}.{hint}"
@@ -606,6 +611,7 @@ def materialise_operator(
     fn: Callable,
     *args: Any,
     argnums: int = 0,
+    holomorphic: bool = False,
     mode: MaterialiseMode = "auto",
     strict: bool = False,
 ) -> lx.AbstractLinearOperator:
@@ -628,6 +634,11 @@ def materialise_operator(
 
     - `fn`, `*args`, `mode`, `strict`: as for [`diffrax_linearize.materialise`][].
     - `argnums`: a single int: the operator acts on one argument (a pytree).
+    - `holomorphic`: as for `jax.jacfwd`: complex inputs and outputs. The operator is the
+        matrix `jax.jacfwd(fn, holomorphic=True)` returns, whose columns are the
+        derivatives along the real unit directions, as `lineax.JacobianLinearOperator`
+        materialises a complex Jacobian: exact for a holomorphic `fn`, and for any other
+        only the complex-linear map that agrees with the derivative on real directions.
 
     **Returns:** a `lineax.AbstractLinearOperator` from the differentiated argument's
     structure to `fn`'s output structure.
@@ -642,7 +653,7 @@ def materialise_operator(
     _check_mode(mode, api)
     if not isinstance(argnums, int):
         raise TypeError(f"`{api}`: `argnums` must be a single int, got {argnums!r}.")
-    closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, False, api)
+    closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, holomorphic, api)
     dynamic, static = _split_consts(closed.consts)
     spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=True, static_consts=static)
     op = _run_operator(spec, dynamic, diff, rest, diff_tree, out_tree)

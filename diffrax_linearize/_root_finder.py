@@ -32,10 +32,27 @@ def _converged(factor: Scalar, tol: float) -> Bool[Array, ""]:
     return (factor > 0) & (factor < tol)
 
 
-def _jacobian(fn, y, args) -> lx.AbstractLinearOperator:
+def _jacobian(solver, fn, y, args) -> lx.AbstractLinearOperator:
     """The Jacobian of `y -> fn(y, args)[0]` as a structured operator: a block-diagonal,
-    banded or sparse pattern is kept (`diffrax_linearize.materialise_operator`)."""
-    return materialise_operator(lambda y, args: fn(y, args)[0], y, args)
+    banded or sparse pattern is kept (`diffrax_linearize.materialise_operator`).
+
+    A complex state takes the complex Jacobian `jax.jacfwd(..., holomorphic=True)` gives,
+    as Diffrax's default root finder does (`lineax.JacobianLinearOperator` materialises a
+    complex function that way): exact for a holomorphic vector field; for another, the
+    complex-linear map that agrees with the derivative along real directions, with which
+    the iteration still converges for small enough steps, only more slowly."""
+    leaves = jtu.tree_leaves(y)
+    complex_leaves = [jnp.iscomplexobj(x) for x in leaves]
+    if any(complex_leaves) and not all(complex_leaves):
+        name = f"diffrax_linearize.{type(solver).__name__}"
+        raise TypeError(
+            f"`{name}`: the state mixes real and complex arrays. Make every array of the "
+            "initial state complex (`y0.astype(jnp.complex128)`), or every one real (split "
+            "a complex array into its real and imaginary parts)."
+        )
+    return materialise_operator(
+        lambda y, args: fn(y, args)[0], y, args, holomorphic=any(complex_leaves)
+    )
 
 
 class _ChordState(eqx.Module):
@@ -195,7 +212,7 @@ class VeryChord(optx.AbstractRootFinder):
             return options["init_state"]
         except KeyError:
             pass
-        jac = _jacobian(fn, y, args)
+        jac = _jacobian(self, fn, y, args)
         linear_state = self.linear_solver.init(jac, options={})
         dynamic, static = eqx.partition(linear_state, eqx.is_array)
         linear_state = eqx.combine(lax.stop_gradient(dynamic), static)
@@ -275,7 +292,7 @@ class Newton(optx.AbstractRootFinder):
 
     def step(self, fn, y, args, options, state, tags):
         fx, aux = fn(y, args)
-        jac = _jacobian(fn, y, args)
+        jac = _jacobian(self, fn, y, args)
         new_y, new_state = _update(self, y, fx, jac, None, state)
         return new_y, new_state, aux
 

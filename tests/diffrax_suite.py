@@ -24,6 +24,25 @@ first of:
 Whatever the source, every file used is checked against its git blob hash at `v0.7.2`, so
 the tests run are exactly Diffrax's. `DIFFRAX_SUITE_PLAIN=1` runs the same selection with
 Diffrax's own classes, as a baseline.
+
+**The implicit solvers' root finders.** `python tests/diffrax_suite.py --implicit verychord`
+(or `--implicit newton`) runs a second selection, Diffrax's tests of its implicit solvers
+(`IMPLICIT_SELECTION`: the ODE order tests, `test_detest.py`, `test_very_chord.py`, the
+implicit tests of `test_solver.py`, `test_event.py`, `test_vmap.py`,
+`test_adjoint.py::test_implicit`), with `diffrax_linearize.VeryChord` (or `.Newton`) as the
+root finder of every implicit solver the tests build. `make test-diffrax` runs both root
+finders after the first selection. Diffrax builds its default root finder once, as the
+dataclass field default of each solver class (`root_finder=
+with_stepsize_controller_tols(VeryChord)()`, `optimistix.Chord` for `ImplicitEuler`), and
+the dataclass `__init__` holds that instance in its `__defaults__`; so before collection
+the plugin replaces it there (and in the field and the class attribute) in every class of
+`diffrax` that has a `root_finder` field, and replaces `diffrax.VeryChord`, which the tests
+also call explicitly (`diffrax.Kvaerno5(root_finder=diffrax.VeryChord(rtol=1e-3,
+atol=1e-6))`), by a constructor with its signature that returns ours. `optimistix`'s root
+finders named in the tests (the references of `test_sil3`, the event root finders) stay.
+The report header of each worker names the root finder `diffrax.Kvaerno5()` and
+`diffrax.VeryChord(...)` then hold. With `DIFFRAX_SUITE_PLAIN=1` the same selection runs
+with Diffrax's own root finders, as a baseline.
 """
 
 import hashlib
@@ -47,6 +66,11 @@ BLOBS = {
     "test_integrate.py": "fcf3a83602025c10791678762142179765c6a4c0",
     "test_adjoint.py": "9e17e5354efd40acf3841798cd1be7f68010b741",
     "test_saveat_solution.py": "7b8b9dfcf18d4813e2bb81ce5c9d4e182531ece9",
+    "test_detest.py": "6dbb20e357893ab1c0e644f0273a3b53905853a0",
+    "test_very_chord.py": "1742463095d6d9f40b41643919f506c992dae4c9",
+    "test_solver.py": "a022f64458116442355c883f45d911cc954c3935",
+    "test_event.py": "6a6b97e1c3c3c44a07e3c5a04c1c1929612eae29",
+    "test_vmap.py": "b6379df912d6591a1f4787069182e3be40eb03b1",
 }
 
 SELECTION = [
@@ -57,6 +81,38 @@ SELECTION = [
 # Fails with Diffrax's own classes too on jax 0.10.2 (a dtype promotion inside Diffrax's
 # implicit solver under the tests' strict promotion), and uses none of ours.
 DESELECTED = ["test/test_adjoint.py::test_implicit"]
+
+# Diffrax's tests that build implicit solvers (or call `diffrax.VeryChord`), for
+# `--implicit`. `test_ode_order` and `test_detest.py` run every solver of `helpers.py`;
+# only the implicit ones are taken: `all_ode_solvers[10:14]` (`ImplicitEuler`,
+# `Kvaerno3`, `Kvaerno4`, `Kvaerno5`) and `all_split_solvers` (`Sil3`, `KenCarp3`,
+# `KenCarp4`, `KenCarp5`, `solver14` to `solver17` in `test_ode_order`'s ids).
+# `test_vmap.py`, `test_adjoint.py::test_implicit` and most of `test_event.py` build no
+# implicit solver: they check that the substitution breaks nothing around them.
+_IMPLICIT_ODE = range(10, 14)
+IMPLICIT_SELECTION = [
+    *(
+        f"test/test_integrate.py::test_ode_order[{dtype}-solver{i}]"
+        for dtype in ("float64", "complex128")
+        for i in [*_IMPLICIT_ODE, 14, 15, 16, 17]
+    ),
+    "test/test_integrate.py::test_grad_implicit_solve",
+    "test/test_integrate.py::test_no_jit",
+    "test/test_integrate.py::test_static",
+    "test/test_integrate.py::test_implicit_tol_error",
+    "test/test_integrate.py::test_vmap_backprop_with_event",
+    *(f"test/test_detest.py::test_{p}[solver{i}]" for p in "abcde" for i in _IMPLICIT_ODE),
+    "test/test_very_chord.py",
+    "test/test_solver.py::test_implicit_euler_adaptive",
+    "test/test_solver.py::test_everything_pytree",
+    "test/test_solver.py::test_sil3",
+    "test/test_solver.py::test_rober",
+    "test/test_solver.py::test_implicit_closure_convert",
+    "test/test_adjoint.py::test_implicit",
+    "test/test_vmap.py",
+    "test/test_event.py",
+]
+ROOT_FINDERS = ("verychord", "newton")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -70,15 +126,75 @@ def pytest_configure(config):
     import diffrax
     import diffrax_linearize
 
+    root_finder = os.environ.get("DIFFRAX_SUITE_ROOT_FINDER")
+    if root_finder:
+        _substitute_root_finders(root_finder)
+        return
     for name in SUBSTITUTED:
         setattr(diffrax, name, getattr(diffrax_linearize, name))
 
 
+def _substitute_root_finders(name: str) -> None:
+    """Ours as the default root finder of every class of `diffrax` with a `root_finder`
+    field, and as what `diffrax.VeryChord(...)` builds."""
+    import dataclasses
+    import inspect
+
+    import diffrax
+    import diffrax_linearize as dl
+    import optimistix as optx
+
+    cls = {"verychord": dl.VeryChord, "newton": dl.Newton}[name]
+    for attr in dir(diffrax):
+        solver = getattr(diffrax, attr)
+        if not (inspect.isclass(solver) and issubclass(solver, diffrax.AbstractImplicitSolver)):
+            continue
+        fields = {f.name: f for f in dataclasses.fields(solver)}
+        if "root_finder" not in fields:
+            continue
+        field = fields["root_finder"]
+        old = field.default
+        if not isinstance(old, optx.AbstractRootFinder):
+            continue
+        # `optimistix.Chord` (`ImplicitEuler`'s default) stops on the Cauchy test, as
+        # `cauchy_termination=True` does.
+        cauchy = {} if cls is dl.Newton else {"cauchy_termination": isinstance(old, optx.Chord)}
+        new = diffrax.with_stepsize_controller_tols(cls)(**cauchy)
+        init = solver.__init__
+        init.__defaults__ = tuple(new if d is old else d for d in init.__defaults__ or ())
+        field.default = new
+        type.__setattr__(solver, "root_finder", new)
+        # Checked here, in every process that runs tests (each pytest-xdist worker).
+        if type(solver().root_finder) is not cls:
+            raise RuntimeError(f"diffrax.{attr}() does not take the substituted root finder.")
+
+    def very_chord(rtol, atol, norm=optx.max_norm, kappa=1e-2, linear_solver=None):
+        kwargs = {} if linear_solver is None else {"linear_solver": linear_solver}
+        return cls(rtol, atol, norm, kappa, **kwargs)
+
+    diffrax.VeryChord = very_chord
+
+
 def pytest_report_header(config):
+    import diffrax
+
+    if os.environ.get("DIFFRAX_SUITE_ROOT_FINDER"):
+        found = (
+            f"diffrax.Kvaerno5().root_finder: {_qualname(diffrax.Kvaerno5().root_finder)}, "
+            f"diffrax.ImplicitEuler().root_finder: "
+            f"{_qualname(diffrax.ImplicitEuler().root_finder)}, "
+            f"diffrax.VeryChord(1e-3, 1e-6): {_qualname(diffrax.VeryChord(1e-3, 1e-6))}"
+        )
+        whose = "Diffrax's own" if os.environ.get("DIFFRAX_SUITE_PLAIN") else "diffrax_linearize's"
+        return f"Diffrax {TAG}'s implicit-solver tests with {whose} root finders ({found})"
     if os.environ.get("DIFFRAX_SUITE_PLAIN"):
         return f"Diffrax {TAG}'s tests with Diffrax's own classes (baseline)"
     names = ", ".join(f"diffrax.{n}" for n in SUBSTITUTED)
     return f"Diffrax {TAG}'s tests with diffrax_linearize's classes as {names}"
+
+
+def _qualname(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 # ---- the driver
@@ -121,6 +237,14 @@ def _git_dir(path: pathlib.Path) -> pathlib.Path:
 
 
 def main(argv: list[str]) -> int:
+    selection, deselected, env = SELECTION, DESELECTED, dict(os.environ)
+    env.pop("DIFFRAX_SUITE_ROOT_FINDER", None)
+    if argv[:1] == ["--implicit"]:
+        if len(argv) < 2 or argv[1] not in ROOT_FINDERS:
+            sys.exit(f"--implicit takes one of {', '.join(ROOT_FINDERS)}.")
+        selection, deselected = IMPLICIT_SELECTION, []
+        env["DIFFRAX_SUITE_ROOT_FINDER"] = argv[1]
+        argv = argv[2:]
     with tempfile.TemporaryDirectory(prefix="diffrax-suite-") as tmp:
         tests = pathlib.Path(tmp) / "test"
         tests.mkdir()
@@ -131,9 +255,9 @@ def main(argv: list[str]) -> int:
                 sys.exit(f"test/{name} is not Diffrax {TAG}'s (git blob {actual}, not {blob}).")
         # Our own pytest configuration (`-m 'not slow'`, `testpaths`) must not apply.
         (pathlib.Path(tmp) / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow\n")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
         command = [sys.executable, "-m", "pytest", "-p", "diffrax_suite", "-p", "no:cacheprovider"]
-        command += [f"--deselect={d}" for d in DESELECTED] + SELECTION + argv
+        command += [f"--deselect={d}" for d in deselected] + selection + argv
         print("+", " ".join(command), flush=True)
         return subprocess.run(command, cwd=tmp, env=env).returncode
 

@@ -931,6 +931,42 @@ def test_operator_pytree():
     assert_tree_allclose(op.pytree, jax.jacfwd(fn)(x), rtol=1e-14)
 
 
+_CA = _const((6, 6), 46, jnp.float64) + 1j * _const((6, 6), 47, jnp.float64)
+
+
+@pytest.mark.parametrize(
+    "fn, kind",
+    [
+        (lambda x: _CA @ x, lx.MatrixLinearOperator),
+        (lambda x: -2j * x + x**2, lx.DiagonalLinearOperator),
+        (lambda x: jnp.conj(x) * (1 + 2j) + jnp.abs(x) * x, lx.DiagonalLinearOperator),
+        (lambda x: (x.reshape(3, 2) @ _CA[:2, :2]).reshape(6) * jnp.exp(x), None),
+        (lambda x: jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1) + jnp.sin(x), None),
+    ],
+    ids=["dense", "diagonal", "not-holomorphic", "block-diagonal", "stencil"],
+)
+def test_operator_holomorphic(fn, kind):
+    # Complex in and out: the matrix `jax.jacfwd(holomorphic=True)` gives (the derivatives
+    # along real directions), which is what `lineax.JacobianLinearOperator` materialises.
+    x = _input((6,), jnp.float64) * (1 + 0.5j) + 0.3j
+    op = dl.materialise_operator(fn, x, holomorphic=True)
+    if kind is not None:
+        assert isinstance(op, kind)
+    else:
+        assert isinstance(op, dl.BlockDiagonalLinearOperator | dl.SparseLinearOperator)
+    expected = jax.jacfwd(fn, holomorphic=True)(x)
+    np.testing.assert_allclose(op.as_matrix(), expected, rtol=1e-13, atol=1e-15)
+
+
+def test_complex_input_error_names_existing_options():
+    x = jnp.ones(3, jnp.complex128)
+    with pytest.raises(TypeError, match="holomorphic=True"):
+        dl.materialise_operator(jnp.sin, x)
+    with pytest.raises(TypeError, match="real and imaginary parts") as info:
+        dl.structure_report(jnp.sin, x)
+    assert "holomorphic" not in str(info.value)
+
+
 # ---- compilation ------------------------------------------------------------------------
 
 
