@@ -522,10 +522,6 @@ KNOWN_FAILURES: list[tuple[tuple[str, str, str, str, str], str]] = [
         for api in ("materialise", "operator")
     ],
     (
-        ("hypot", "outside", "*", "*", "materialise"),
-        "NaN patterns out of domain: hypot at (0, 0), ours NaN where jacfwd is finite",
-    ),
-    (
         ("logsumexp", "outside", "*", "*", "materialise"),
         "NaN patterns out of domain: logsumexp with -inf and inf entries, ours finite where"
         " jacfwd is NaN",
