@@ -822,7 +822,10 @@ def test_one_matmul_for_nonlinear(mode):
     A, B = _matrices()
     x = _input((N,), jnp.float64)
     fn = lambda x: B @ jnp.tanh(A @ x)
-    assert count_matmuls(lambda x: dl.materialise(fn, x, mode=mode), x) == 1
+    # Reverse mode's program also holds the forward-mode branch that recomputes a
+    # non-finite result, with its own product: that branch runs only for such a result.
+    expected = 2 if mode == "reverse" else 1
+    assert count_matmuls(lambda x: dl.materialise(fn, x, mode=mode), x) == expected
     assert count_matmuls(jax.jacfwd(fn), x) == 2
     assert_tree_allclose(dl.materialise(fn, x, mode=mode), jax.jacfwd(fn)(x), rtol=1e-12)
 
