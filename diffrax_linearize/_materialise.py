@@ -324,7 +324,9 @@ def _to_lin_outputs(outs, out_avals):
 
 def _structured_jacobian(spec: _Spec, consts, diff, rest):
     """Returns `blocks[q][p]`: the block of output leaf `q` w.r.t. input leaf `p`, or
-    `None` for zero; plus the interpreter's `Context` (which primitives lost structure)."""
+    `None` for zero; the interpreter's `Context` (which primitives lost structure); and,
+    when the blocks came from reverse mode, a function of no arguments computing the same
+    blocks and context in forward mode from the same linearisation (else `None`)."""
     jaxpr = spec.jaxpr
     consts = spec.consts(consts)
 
@@ -342,11 +344,19 @@ def _structured_jacobian(spec: _Spec, consts, diff, rest):
         # every dtype is the same is it `jax.jacfwd`'s result (up to summation order).
         dtypes = {jnp.result_type(x) for x in diff} | {a.dtype for a in out_avals}
         mode = "reverse" if n_out < n_in and len(dtypes) == 1 else "forward"
+    forward = functools.partial(_forward, f_jvp, diff, out_avals)
     if mode == "reverse" and all(jnp.issubdtype(a.dtype, jnp.floating) for a in out_avals):
         try:
-            return _reverse(f_jvp, diff, out_avals)
+            return *_reverse(f_jvp, diff, out_avals), forward
         except Exception:  # e.g. a `while` loop cannot be transposed: go forward instead
             pass
+    return *forward(), None
+
+
+def _forward(f_jvp, diff, out_avals):
+    """Forward accumulation: structure propagated through the linear program from the
+    identity on the inputs."""
+    in_shapes = [tuple(jnp.shape(x)) for x in diff]
     lin = jax.make_jaxpr(f_jvp)(*diff)
     ctx = Context(in_shapes=in_shapes)
     invals = [
@@ -398,8 +408,25 @@ def _run_dense(spec: _Spec, consts, diff, rest):
 
 
 def _dense_jacobian(spec: _Spec, consts, diff, rest):
-    blocks, ctx = _structured_jacobian(spec, consts, diff, rest)
+    blocks, ctx, forward = _structured_jacobian(spec, consts, diff, rest)
     _check_strict(spec, ctx.densified, ctx.reasons)
+    out = _dense_cells(spec, blocks, diff)
+    if forward is None:
+        return out
+    # Reverse mode multiplies the same factors in the other order, and a zero cotangent is
+    # then multiplied by what `jax.jacfwd` never forms: where `select_n` drops a NaN or
+    # infinite tangent (`jnp.where(x < 0, x, jnp.sqrt(x))`), its transpose gives that
+    # entry a zero cotangent, which meets the infinite factor next (0 * inf = NaN, as in
+    # `jax.jacrev`). Where no NaN or inf is formed, both orders agree up to rounding; so
+    # a non-finite result is recomputed in forward mode (`jax.jacfwd`'s order), a branch
+    # that runs only then. It is the same Jacobian, so it is not checked by `strict`.
+    finite = functools.reduce(
+        jnp.logical_and, [jnp.all(jnp.isfinite(c)) for row in out for c in row], True
+    )
+    return jax.lax.cond(finite, lambda: out, lambda: _dense_cells(spec, forward()[0], diff))
+
+
+def _dense_cells(spec: _Spec, blocks, diff):
     out = []
     for q, row in enumerate(blocks):
         aval = spec.jaxpr.outvars[q].aval
@@ -680,7 +707,7 @@ def _run_operator(spec: _Spec, consts, diff, rest, diff_tree, out_tree):
 
 def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     # Built inside `jit`, where the structure (a NumPy one for an identity, say) is known.
-    blocks, ctx = _structured_jacobian(spec, consts, diff, rest)
+    blocks, ctx, _ = _structured_jacobian(spec, consts, diff, rest)
     _check_strict(spec, ctx.densified, ctx.reasons)
     out_avals = [v.aval for v in spec.jaxpr.outvars]
     if jtu.treedef_is_leaf(diff_tree) and jtu.treedef_is_leaf(out_tree):
@@ -711,7 +738,7 @@ def structured_blocks(fn: Callable, *args, mode: MaterialiseMode = "forward"):
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, 0, False, api)
     dynamic, static = _split_consts(closed.consts)
     spec = _Spec(closed.jaxpr, len(diff), mode, False, structured=True, static_consts=static)
-    blocks, _ = _structured_jacobian(spec, dynamic, diff, rest)
+    blocks, _, _ = _structured_jacobian(spec, dynamic, diff, rest)
     return blocks, diff_tree, out_tree
 
 
@@ -786,7 +813,7 @@ def structure_report(
     found = []
 
     def run(dynamic, diff, rest):
-        blocks, ctx = _structured_jacobian(spec, dynamic, diff, rest)
+        blocks, ctx, _ = _structured_jacobian(spec, dynamic, diff, rest)
         found.append((blocks, ctx))
         return 0
 
