@@ -1052,9 +1052,18 @@ def _with_custom_jvp(g):
 
 
 # Small constants are keyed by their bytes; past 1 MiB, by their identity.
+# The default run: the nestings that each keep constants in another place (a jit's closed
+# jaxpr, a loop body, a branch, a custom rule), and the large-constant key; the rest slow.
+_DEFAULT_NESTINGS = ("jit", "scan", "cond", "custom_jvp")
+
+
 @pytest.mark.parametrize(
     "nesting, shape",
-    [(n, (4,)) for n in sorted(_NESTINGS)] + [("jit", (400, 400)), ("scan", (400, 400))],
+    [
+        pytest.param(n, (4,), marks=() if n in _DEFAULT_NESTINGS else pytest.mark.slow)
+        for n in sorted(_NESTINGS)
+    ]
+    + [("jit", (400, 400)), pytest.param("scan", (400, 400), marks=pytest.mark.slow)],
 )
 def test_closed_over_constants_never_stale(nesting, shape):
     wrap = _NESTINGS[nesting]
@@ -1069,7 +1078,7 @@ def test_closed_over_constants_never_stale(nesting, shape):
         np.testing.assert_allclose(op.as_matrix(), expected, rtol=1e-14)
 
 
-@pytest.mark.parametrize("nesting", ["jit", "scan", "cond"])
+@pytest.mark.parametrize("nesting", ["jit", pytest.param("scan", marks=pytest.mark.slow), "cond"])
 def test_closed_over_indices_never_stale(nesting):
     # Integer constants are read by the structure rules at trace time: a gather's indices.
     wrap = _NESTINGS[nesting]
@@ -1103,7 +1112,9 @@ _MASKS = {
 }
 
 
-@pytest.mark.parametrize("mask", sorted(_MASKS))
+@pytest.mark.parametrize(
+    "mask", [pytest.param(m, marks=() if m == "where" else pytest.mark.slow) for m in _MASKS]
+)
 def test_masked_nan_tangents_do_not_leak(mask):
     p = jax.random.normal(jax.random.key(3), (5, 3))
     fn = _pairwise(_MASKS[mask])
@@ -1235,7 +1246,8 @@ def test_vmap_of_while_loop_with_data_dependent_trip_count():
     assert_tree_allclose(mv, jax.jvp(fn, (x,), (v,))[1], **_TOL[jnp.float64])
 
 
-def test_mixed_precision_under_strict_promotion():
+@pytest.mark.parametrize("which", ["mul", pytest.param("dot", marks=pytest.mark.slow)])
+def test_mixed_precision_under_strict_promotion(which):
     """`lax.mul(..., out_dtype=...)` and `dot_general(..., preferred_element_type=...)` of
     float32 values computing in float64, in loops, and their transposes (`jax.grad` of
     them: products of a float32 and a float64 operand) under strict dtype promotion: the
@@ -1265,7 +1277,7 @@ def test_mixed_precision_under_strict_promotion():
 
     x = _input((3,), jnp.float32)
     with jax.numpy_dtype_promotion("strict"):
-        for g in (mul, dot):
+        for g in {"mul": (mul,), "dot": (dot,)}[which]:
             for fn in (in_scan(g), in_fori(g), in_while(g)):
                 np.testing.assert_array_equal(dl.materialise(fn, x), jax.jacfwd(fn)(x))
             for f in (in_scan(g), in_fori(g), second(in_scan(g)), second(in_fori(g))):

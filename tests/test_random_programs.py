@@ -499,13 +499,13 @@ def test_random_programs_slow(group):
 # under one `jax.jit` (issue 27: a NaN tangent behind a `jnp.where`/`select_n` mask, or an
 # inf behind a masked division, must be selected away, never multiplied by the mask or by
 # a zero cotangent in reverse mode).
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(3))
 def test_random_programs_nan_injection(seed):
     _run_one(seed, inject=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(6, 60))
+@pytest.mark.parametrize("seed", range(3, 60))
 def test_random_programs_nan_injection_slow(seed):
     _run_one(seed, inject=True)
 
