@@ -565,6 +565,7 @@ class _Counted(eqx.Module):
         return self.mlp(x * self.scale) / self.steps
 
 
+@pytest.mark.slow  # the no-floating-leaf error stays in the default run
 def test_integer_leaves_are_held_fixed_as_with_filter_grad():
     # A whole Equinox module: its integer leaves are not differentiated, as with
     # `equinox.filter_grad`, and add nothing to the norms.

@@ -125,6 +125,7 @@ def test_float32_structured_solve(preconditioned):
     np.testing.assert_allclose(op.mv(sol.value), b, atol=1e-5)
 
 
+@pytest.mark.slow  # the stiff guide's float32 run (test_docs) keeps the default-run case
 def test_float32_root_finder_tolerances():
     """The drift-implicit solvers' default root finder asks for 1e-8, below float32's
     resolution: it converges all the same, to the float64 solution's float32 rounding. (No
@@ -299,7 +300,7 @@ def _implicit_euler(rf):
 @pytest.mark.parametrize(
     "make, field",
     [
-        (_implicit_euler, _complex_dense),
+        pytest.param(_implicit_euler, _complex_dense, marks=pytest.mark.slow),
         (_implicit_euler, _complex_blocks),
         pytest.param(
             lambda rf: diffrax.Kvaerno5(root_finder=rf), _complex_dense, marks=pytest.mark.slow
