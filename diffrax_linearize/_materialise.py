@@ -15,6 +15,7 @@ from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the st
 from ._compat import bind_eqn, dce_jaxpr, prim
 from ._custom_types import MaterialiseMode
 from ._interpreter import (
+    call_jaxpr,
     Context,
     eval_jaxpr,
     evaluate_known,
@@ -263,10 +264,23 @@ def _eval_forward_differentiable(jaxpr, consts, args):
     # Calls holding a `custom_vjp_call` are inlined: a checkpoint only changes what
     # reverse mode stores. So are calls given known indices (`jnp.take_along_axis(x, idx)`
     # is a `jit`): inlined, their index computations are evaluated at trace time too.
+    # Also calls that close over known indices (a `jnp.take` inside a nested `jax.jit`).
     def inline(eqn, vals):
-        return _has_custom_vjp(eqn) or any(_is_known_index(v) for v in vals)
+        if _has_custom_vjp(eqn) or any(_is_known_index(v) for v in vals):
+            return True
+        return _closes_over_known_index(eqn)
 
     return eval_jaxpr(jaxpr, consts, args, apply_eqn, inline=inline)
+
+
+def _closes_over_known_index(eqn) -> bool:
+    sub = call_jaxpr(eqn)
+    if sub is None:
+        return False
+    jaxpr, consts = sub
+    return any(_is_known_index(c) for c in consts) or any(
+        _closes_over_known_index(e) for e in jaxpr.eqns
+    )
 
 
 def _is_known_index(x) -> bool:
