@@ -156,6 +156,7 @@ def _params(names, still):
     ]
 
 
+@pytest.mark.slow  # the default run checks each field once, in test_not_dense
 @pytest.mark.parametrize("name", list(_CASES))
 def test_exact(name):
     fn, shape = _CASES[name]
@@ -187,6 +188,7 @@ def test_cumsum_reported():
     assert _stored(dl.materialise_operator(cumsum_coupling, y)) <= 2 * nnz
 
 
+@pytest.mark.slow  # the default run checks each field once, in test_not_dense
 @pytest.mark.parametrize("name", _params(_SPARSE, {**_OVER_2X, **_STILL_DENSE}))
 def test_at_most_twice_nonzeros(name):
     fn, shape = _CASES[name]
@@ -195,6 +197,7 @@ def test_at_most_twice_nonzeros(name):
     assert _stored(dl.materialise_operator(fn, y)) <= 2 * nnz
 
 
+@pytest.mark.slow  # the default run checks each field once, in test_not_dense
 @pytest.mark.parametrize("name", _params(_SPARSE, _REPORT_DISAGREES))
 def test_report_matches_operator(name):
     fn, shape = _CASES[name]
