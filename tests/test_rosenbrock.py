@@ -60,20 +60,35 @@ def test_order():
 
 
 def test_dense_output():
-    """Rodas5P's dense output between the steps agrees with a tight reference."""
+    """Rodas5P's dense output between the steps agrees with a tight reference, and
+    converges at order > 4 in the step (16x for half the step would be order 4)."""
     y0 = jnp.array([1.0, 0.5])
     ts = jnp.linspace(0.05, 1.95, 7)
-    sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(_nonlinear),
-        dl.Rodas5P(),
-        0.0,
-        2.0,
-        0.1,
-        y0,
-        saveat=diffrax.SaveAt(ts=ts),
-    )
     ref = np.stack([_nonlinear_ref(float(t), [1.0, 0.5]) for t in ts])
-    np.testing.assert_allclose(sol.ys, ref, atol=1e-6)
+    errs = []
+    for dt in (0.1, 0.05):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(_nonlinear),
+            dl.Rodas5P(),
+            0.0,
+            2.0,
+            dt,
+            y0,
+            saveat=diffrax.SaveAt(ts=ts),
+        )
+        errs.append(np.max(np.abs(np.asarray(sol.ys) - ref)))
+    assert errs[0] < 5e-7, errs
+    assert errs[0] / errs[1] > 16, errs
+
+
+def test_reversed_time():
+    """Solving back from the forward solution at t = 2 recovers y0 (Diffrax wraps the term
+    so that its control, the step, is negative)."""
+    y2 = _nonlinear_ref(2.0, [1.0, 0.5])
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(_nonlinear), dl.Rodas5P(), 2.0, 0.0, -0.05, jnp.asarray(y2)
+    )
+    np.testing.assert_allclose(sol.ys[-1], [1.0, 0.5], atol=1e-7)
 
 
 def _robertson_ref(t1):
@@ -100,7 +115,7 @@ def test_robertson_adaptive():
     y1 = np.asarray(sol.ys[-1])
     # Each component to within 10x rtol relative, or the absolute tolerance scale.
     np.testing.assert_allclose(y1, ref, rtol=10 * rtol, atol=10 * atol)
-    assert int(sol.stats["num_accepted_steps"]) < 500
+    assert int(sol.stats["num_steps"]) < 100  # 49 when written
 
 
 def test_block_diagonal_matches_single():

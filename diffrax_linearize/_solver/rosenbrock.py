@@ -223,46 +223,51 @@ class Rodas5P(AbstractAdaptiveSolver):
         _check_ode(terms, t0, t1)
         flat0, unravel = jfu.ravel_pytree(y0)
         dtype = flat0.dtype
-        with jax.numpy_dtype_promotion("standard"):
-            h = jnp.asarray(t1 - t0).astype(dtype)
-            t0_ = jnp.asarray(t0).astype(dtype)
+        t0 = jnp.asarray(t0)
+        h = jnp.asarray(t1) - t0
+        control = terms.contr(t0, t1)
 
-        def f(t, flat):
-            out = terms.vf(t, unravel(flat), args)
+        # The increment g = f dt (`vf_prod`, so that a reversed-time solve's
+        # `diffrax.WrapTerm`, whose control is negative, is handled as Diffrax does):
+        # the stages then read (I/gamma - dg/dy) k_i = g(t_i, Y_i) + d_i h dg/dt + sum_j
+        # C_ij k_j, the W-transformed form with the step size scaled out.
+        def g(t, flat):
+            out = terms.vf_prod(t, unravel(flat), args, control)
             out_flat, _ = jfu.ravel_pytree(out)
             return out_flat.astype(dtype)
 
-        inv_hgamma = 1 / (h * _GAMMA)
-        # W = I/(h gamma) - J as one materialised operator: the structure engine sees the
+        # W = I/gamma - h J as one materialised operator: the structure engine sees the
         # identity, so W keeps J's block, band or sparsity pattern (with its diagonal).
-        W = materialise_operator(lambda y, _: inv_hgamma * y - f(t0_, y), flat0, None)
+        W = materialise_operator(lambda y, _: y / _GAMMA - g(t0, y), flat0, None)
         state = self.linear_solver.init(W, {})
 
         def solve(b):
             return lx.linear_solve(W, b, self.linear_solver, state=state, throw=False)
 
-        f0, dfdt = jax.jvp(lambda t: f(t, flat0), (t0_,), (jnp.ones((), dtype),))
+        g0, dgdt = jax.jvp(lambda t: g(t, flat0), (t0,), (jnp.ones_like(t0),))
+        with jax.numpy_dtype_promotion("standard"):
+            h_dgdt = (h * dgdt).astype(dtype)
 
         ks = []
         result = RESULTS.successful
         y_stage = flat0
         for i in range(8):
             if i == 0:
-                fi = f0
+                fi = g0
             elif i < 5:
                 y_stage = flat0 + sum(a * k for a, k in zip(_A[i - 1], ks))
-                fi = f(t0_ + _CT[i] * h, y_stage)
+                fi = g(t0 + _CT[i] * h, y_stage)
             elif i == 5:
                 y_stage = flat0 + sum(a * k for a, k in zip(_A[4], ks))
-                fi = f(t0_ + h, y_stage)
+                fi = g(t0 + h, y_stage)
             else:
                 y_stage = y_stage + ks[-1]
-                fi = f(t0_ + h, y_stage)
+                fi = g(t0 + h, y_stage)
             b = fi
             if i < 5:
-                b = b + (_D[i] * h) * dfdt
+                b = b + _D[i] * h_dgdt
             if i > 0:
-                b = b + sum(c * k for c, k in zip(_C[i - 1], ks)) / h
+                b = b + sum(c * k for c, k in zip(_C[i - 1], ks))
             sol = solve(b)
             ks.append(sol.value)
             result = RESULTS.where(
