@@ -72,9 +72,10 @@ def test_dense_output():
             dl.Rodas5P(),
             0.0,
             2.0,
-            dt,
+            jnp.asarray(dt),  # traced: one compilation for both step sizes
             y0,
             saveat=diffrax.SaveAt(ts=ts),
+            max_steps=64,
         )
         errs.append(np.max(np.abs(np.asarray(sol.ys) - ref)))
     assert errs[0] < 5e-7, errs
@@ -118,6 +119,38 @@ def test_robertson_adaptive():
     assert int(sol.stats["num_steps"]) < 100  # 49 when written
 
 
+def _stacked(t, y, args):
+    return _robertson(t, y.reshape(3, 3), args).ravel()
+
+
+_Y0_STACK = jnp.array([[1.0, 0.0, 0.0], [0.5, 0.0, 0.5], [0.9, 1e-5, 0.1]])
+
+
+def test_block_diagonal_step_matches_single():
+    """One step on a stack of independent Robertson systems (a block-diagonal Jacobian,
+    factored block by block) gives each block the single system's step and error."""
+    op = dl.materialise_operator(lambda y: _stacked(0.0, y, None), _Y0_STACK.ravel())
+    assert isinstance(op, dl.BlockDiagonalLinearOperator)
+    solver = dl.Rodas5P()
+
+    @jax.jit
+    def step(y0, t1):
+        term = diffrax.ODETerm(_stacked if y0.ndim == 1 and y0.size == 9 else _robertson)
+        y1, err, _, _, result = solver.step(term, 0.0, t1, y0, None, None, False)
+        return y1, err, result
+
+    for t1 in (1e-4, 1e-2):  # h times the third block's fastest rate reaches ~10
+        whole, whole_err, result = step(_Y0_STACK.ravel(), t1)
+        assert result == diffrax.RESULTS.successful
+        for i in range(3):
+            single, single_err, _ = step(_Y0_STACK[i], t1)
+            np.testing.assert_allclose(whole.reshape(3, 3)[i], single, rtol=1e-12, atol=1e-15)
+            np.testing.assert_allclose(
+                whole_err.reshape(3, 3)[i], single_err, rtol=1e-8, atol=1e-15
+            )
+
+
+@pytest.mark.slow  # compiles two whole solves: ~15 s on 2 cores
 def test_block_diagonal_matches_single():
     """A stack of independent Robertson systems (a block-diagonal Jacobian, factored
     block by block) gives each block the single system's answer."""
@@ -133,24 +166,27 @@ def test_block_diagonal_matches_single():
     # the comparison exact up to rounding; geometric, as Robertson's time scales are.
     ts = jnp.concatenate([jnp.zeros(1), jnp.geomspace(1e-5, 10.0, 100)])
     kw = dict(t0=0.0, t1=10.0, dt0=None, stepsize_controller=diffrax.StepTo(ts))
-    whole = diffrax.diffeqsolve(diffrax.ODETerm(stacked), dl.Rodas5P(), y0=y0.ravel(), **kw).ys[-1]
-    for i in range(3):
-        single = diffrax.diffeqsolve(diffrax.ODETerm(_robertson), dl.Rodas5P(), y0=y0[i], **kw).ys[
-            -1
-        ]
-        np.testing.assert_allclose(whole.reshape(3, 3)[i], single, rtol=1e-10, atol=1e-14)
+    whole = diffrax.diffeqsolve(diffrax.ODETerm(stacked), dl.Rodas5P(), y0=y0.ravel(), **kw)
+
+    def single(y0_i):  # vmapped: each batch element is still one dense 3x3 system
+        term = diffrax.ODETerm(_robertson)
+        return diffrax.diffeqsolve(term, dl.Rodas5P(), y0=y0_i, **kw).ys[-1]
+
+    singles = jax.vmap(single)(y0)
+    np.testing.assert_allclose(whole.ys[-1].reshape(3, 3), singles, rtol=1e-10, atol=1e-14)
+
+
+def _small(t, y, args):
+    return jnp.stack([-args * y[0] + y[1] ** 2, -y[1] + jnp.sin(t) * y[0]])
 
 
 def _solve_small(y0, k, adaptive=True):
-    def f(t, y, args):
-        return jnp.stack([-args * y[0] + y[1] ** 2, -y[1] + jnp.sin(t) * y[0]])
-
     if adaptive:
         controller = diffrax.PIDController(rtol=1e-8, atol=1e-8)
     else:
         controller = diffrax.ConstantStepSize()
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(f),
+        diffrax.ODETerm(_small),
         dl.Rodas5P(),
         0.0,
         1.0,
@@ -169,8 +205,9 @@ def test_jit_vmap():
 
     y0s = jnp.array([[1.0, 0.5], [0.3, -0.2]])
     batched = jax.jit(jax.vmap(solve, in_axes=(0, None)))(y0s, 2.0)
+    solve_jit = jax.jit(solve)
     for i in range(2):
-        np.testing.assert_allclose(batched[i], solve(y0s[i], 2.0), rtol=1e-10)
+        np.testing.assert_allclose(batched[i], solve_jit(y0s[i], 2.0), rtol=1e-10)
 
 
 @pytest.mark.slow  # compiling the reverse pass through adaptive steps: ~30 s on 2 cores
