@@ -25,8 +25,9 @@ _API = "diffrax_linearize.Rodas5P"
 
 # Rodas5P in the W-transformed form of Hairer & Wanner (Solving ODEs II, section IV.7,
 # the variables u_i = sum_j gamma_ij k_j), coefficients of Steinebach (2023), as listed by
-# OrdinaryDiffEq.jl's `Rodas5PTableau`. Stages 6-8 are at t1; y1 after stage 7 is the
-# 4th-order embedded solution plus k7, and stage 8's increment k8 is the error estimate.
+# OrdinaryDiffEq.jl's `Rodas5PTableau`. Stages 6-8 are at t1, each adding its increment
+# to the last: after stage 7 the embedded order-4 solution, after stage 8 the order-5 one,
+# so k8 is the error estimate.
 _GAMMA = 0.21193756319429014
 _A = [
     [3.0],
@@ -162,16 +163,19 @@ class Rodas5P(AbstractAdaptiveSolver):
 
     Each step materialises the Jacobian $J = \partial f / \partial y$ at $(t_0, y_0)$ once
     (with [`diffrax_linearize.materialise_operator`][], keeping a block-diagonal, banded or
-    sparse structure), factors $W = I / (h \gamma) - J$ once and solves the eight linear
-    stages with that factorisation: no Newton iterations, so no convergence failures. The
-    method is linearly implicit and L-stable; the Jacobian should be exact (it is).
-    A non-autonomous vector field's $\partial f / \partial t$ is one `jax.jvp` in $t$.
+    sparse structure), factors $W = I / (h \gamma) - J$ once (scaled by $h$: $I/\gamma -
+    h J$) and solves the eight linear stages with that factorisation: no Newton
+    iterations. The method is linearly implicit and L-stable, and its order conditions
+    assume the exact Jacobian, which is what the structure engine gives. A
+    non-autonomous vector field's $\partial f / \partial t$ is one `jax.jvp` in $t$.
 
-    - **Error estimate:** the increment of the eighth stage, the difference between the
-      order-5 solution and the embedded order-4 one (stages 7 and 8), as in Rodas5P's
-      construction; use it with a `diffrax.PIDController`.
-    - **Interpolation:** Rodas5P's own dense output, a polynomial of degree 4 in
-      $s = (t - t_0)/h$ built from the stage increments (order 4).
+    - **Error estimate:** the increment $k_8$ of the last stage, which is the difference
+      between the order-5 solution and the embedded order-4 one (both stiffly accurate:
+      stages 6 to 8 are at $t_1$), as in OrdinaryDiffEq.jl; use it with a
+      `diffrax.PIDController`.
+    - **Interpolation:** Rodas5P's own dense output, $y(t_0 + s h) = (1 - s) y_0 + s (y_1 +
+      (1 - s)(q_1 + s (q_2 + s q_3)))$ with the $q_i$ fixed combinations of the stage
+      increments (the tableau's `h` coefficients): a degree-4 polynomial, order 4.
 
     For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
     float32 or float64 (it is flattened with `jax.flatten_util.ravel_pytree`; a single
