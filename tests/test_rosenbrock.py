@@ -56,7 +56,7 @@ def test_order():
     ns = np.array([8, 16, 32, 64])
     errs = [float(jnp.max(jnp.abs(solve(2.0 / n) - ref))) for n in ns]
     order = -np.polyfit(np.log(ns), np.log(errs), 1)[0]
-    assert 4.5 < order < 6.0, (order, errs)
+    assert 4.5 < order < 5.6, (order, errs)  # 5.12 when written
 
 
 def test_dense_output():
