@@ -1,0 +1,1 @@
+from .rosenbrock import Rodas5P as Rodas5P

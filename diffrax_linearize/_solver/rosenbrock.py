@@ -1,0 +1,287 @@
+r"""Rosenbrock (linearly implicit) ODE solvers: each step takes one Jacobian and one
+factorisation, reused by every stage, and makes no Newton iterations.
+
+The Jacobian comes from the structure engine
+([`diffrax_linearize.materialise_operator`][]), so a block-diagonal, banded or sparse
+vector field is factored as such by [`diffrax_linearize.StructuredLinearSolver`][].
+"""
+
+from typing import Any, ClassVar
+
+import diffrax
+import jax
+import jax.flatten_util as jfu
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import lineax as lx
+import numpy as np
+from diffrax import AbstractAdaptiveSolver, AbstractLocalInterpolation, RESULTS
+
+from .._linear_solver import StructuredLinearSolver
+from .._materialise import materialise_operator
+
+
+_API = "diffrax_linearize.Rodas5P"
+
+# Rodas5P in the W-transformed form of Hairer & Wanner (Solving ODEs II, section IV.7,
+# the variables u_i = sum_j gamma_ij k_j), coefficients of Steinebach (2023), as listed by
+# OrdinaryDiffEq.jl's `Rodas5PTableau`. Stages 6-8 are at t1, each adding its increment
+# to the last: after stage 7 the embedded order-4 solution, after stage 8 the order-5 one,
+# so k8 is the error estimate.
+_GAMMA = 0.21193756319429014
+_A = [
+    [3.0],
+    [2.849394379747939, 0.45842242204463923],
+    [-6.954028509809101, 2.489845061869568, -10.358996098473584],
+    [2.8029986275628964, 0.5072464736228206, -0.3988312541770524, -0.04721187230404641],
+    [
+        -7.502846399306121,
+        2.561846144803919,
+        -11.627539656261098,
+        -0.18268767659942256,
+        0.030198172008377946,
+    ],
+]
+_C = [
+    [-14.155112264123755],
+    [-17.97296035885952, -2.859693295451294],
+    [147.12150275711716, -1.41221402718213, 71.68940251302358],
+    [165.43517024871676, -0.4592823456491126, 42.90938336958603, -5.961986721573306],
+    [
+        24.854864614690072,
+        -3.0009227002832186,
+        47.4931110020768,
+        5.5814197821558125,
+        -0.6610691825249471,
+    ],
+    [
+        30.91273214028599,
+        -3.1208243349937974,
+        77.79954646070892,
+        34.28646028294783,
+        -19.097331116725623,
+        -28.087943162872662,
+    ],
+    [
+        37.80277123390563,
+        -3.2571969029072276,
+        112.26918849496327,
+        66.9347231244047,
+        -40.06618937091002,
+        -54.66780262877968,
+        -9.48861652309627,
+    ],
+]
+# Stage times (stages 1-5; stages 6-8 are at t1) and the time-derivative weights (zero for
+# stages 6-8).
+_CT = [0.0, 0.6358126895828704, 0.4095798393397535, 0.9769306725060716, 0.4288403609558664]
+_D = [
+    0.21193756319429014,
+    -0.42387512638858027,
+    -0.3384627126235924,
+    1.8046452872882734,
+    2.325825639765069,
+]
+# Dense output: y(t0 + s h) = (1 - s) y0 + s (y1 + (1 - s) (q1 + s (q2 + s q3))), with
+# q_i = sum_j H[i, j] k_j.
+_H = np.array(
+    [
+        [
+            25.948786856663858,
+            -2.5579724845846235,
+            10.433815404888879,
+            -2.3679251022685204,
+            0.524948541321073,
+            1.1241088310450404,
+            0.4272876194431874,
+            -0.17202221070155493,
+        ],
+        [
+            -9.91568850695171,
+            -0.9689944594115154,
+            3.0438037242978453,
+            -24.495224566215796,
+            20.176138334709044,
+            15.98066361424651,
+            -6.789040303419874,
+            -6.710236069923372,
+        ],
+        [
+            11.419903575922262,
+            2.8879645146136994,
+            72.92137995996029,
+            80.12511834622643,
+            -52.072871366152654,
+            -59.78993625266729,
+            -0.15582684282751913,
+            4.883087185713722,
+        ],
+    ]
+)
+
+
+class _Rodas5PInterpolation(AbstractLocalInterpolation):
+    t0: Any
+    t1: Any
+    y0: Any
+    y1: Any
+    q: Any  # the pytree of y, each leaf with a leading axis of 3
+
+    def evaluate(self, t0, t1=None, left: bool = True):
+        del left
+        if t1 is not None:
+            return jtu.tree_map(lambda a, b: a - b, self.evaluate(t1), self.evaluate(t0))
+        with jax.numpy_dtype_promotion("standard"):
+            s = (t0 - self.t0) / (self.t1 - self.t0)
+
+            def _eval(y0, y1, q):
+                s_ = s.astype(y0.dtype)
+                r = 1 - s_
+                return r * y0 + s_ * (y1 + r * (q[0] + s_ * (q[1] + s_ * q[2])))
+
+            return jtu.tree_map(_eval, self.y0, self.y1, self.q)
+
+
+def _check_ode(terms, t0, t1):
+    control = terms.contr(t0, t1)
+    leaves = jtu.tree_leaves(control)
+    if isinstance(terms, diffrax.MultiTerm) or len(leaves) != 1 or jnp.shape(leaves[0]) != ():
+        raise TypeError(
+            f"`{_API}` solves ODEs: pass one `diffrax.ODETerm`. For an SDE (a "
+            "`diffrax.MultiTerm` with a `diffrax.ControlTerm`), use a stochastic solver such "
+            "as `diffrax_linearize.ImplicitEulerMaruyama` or "
+            "`diffrax_linearize.ImplicitItoMilstein`."
+        )
+
+
+class Rodas5P(AbstractAdaptiveSolver):
+    r"""Rodas5P, a stiffly accurate Rosenbrock method of order 5 with an embedded method
+    of order 4 (G. Steinebach, *Construction of Rosenbrock-Wanner method Rodas5P and
+    numerical benchmarks within the Julia Differential Equations package*, BIT Numerical
+    Mathematics 63, 27 (2023); coefficients as in OrdinaryDiffEq.jl, which recommends it
+    for stiff problems at moderate to tight tolerances).
+
+    Each step materialises the Jacobian $J = \partial f / \partial y$ at $(t_0, y_0)$ once
+    (with [`diffrax_linearize.materialise_operator`][], keeping a block-diagonal, banded or
+    sparse structure), factors $W = I / (h \gamma) - J$ once (scaled by $h$: $I/\gamma -
+    h J$) and solves the eight linear stages with that factorisation: no Newton
+    iterations. The method is linearly implicit and L-stable, and its order conditions
+    assume the exact Jacobian, which is what the structure engine gives. A
+    non-autonomous vector field's $\partial f / \partial t$ is one `jax.jvp` in $t$.
+
+    - **Error estimate:** the increment $k_8$ of the last stage, which is the difference
+      between the order-5 solution and the embedded order-4 one (both stiffly accurate:
+      stages 6 to 8 are at $t_1$), as in OrdinaryDiffEq.jl; use it with a
+      `diffrax.PIDController`.
+    - **Interpolation:** Rodas5P's own dense output, $y(t_0 + s h) = (1 - s) y_0 + s (y_1 +
+      (1 - s)(q_1 + s (q_2 + s q_3)))$ with the $q_i$ fixed combinations of the stage
+      increments (the tableau's `h` coefficients): a degree-4 polynomial, order 4.
+
+    For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
+    float32 or float64 (it is flattened with `jax.flatten_util.ravel_pytree`; a single
+    array keeps its Jacobian's structure).
+
+    **Arguments:**
+
+    - `linear_solver`: the `lineax` solver that factors $W$;
+        [`diffrax_linearize.StructuredLinearSolver`][] by default.
+
+    ```python
+    import diffrax
+    import jax.numpy as jnp
+    import diffrax_linearize as dl
+
+    def robertson(t, y, args):
+        y1, y2, y3 = y
+        return jnp.stack([
+            -0.04 * y1 + 1e4 * y2 * y3,
+            0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2,
+            3e7 * y2**2,
+        ])
+
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(robertson), dl.Rodas5P(), t0=0.0, t1=100.0, dt0=1e-4,
+        y0=jnp.array([1.0, 0.0, 0.0]),
+        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-10),
+    )
+    ```
+    """
+
+    linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
+
+    term_structure: ClassVar = diffrax.AbstractTerm
+    interpolation_cls: ClassVar = _Rodas5PInterpolation
+
+    def order(self, terms):
+        return 5
+
+    def init(self, terms, t0, t1, y0, args):
+        _check_ode(terms, t0, t1)
+        return None
+
+    def func(self, terms, t0, y0, args):
+        return terms.vf(t0, y0, args)
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        del solver_state, made_jump
+        _check_ode(terms, t0, t1)
+        flat0, unravel = jfu.ravel_pytree(y0)
+        dtype = flat0.dtype
+        t0 = jnp.asarray(t0)
+        h = jnp.asarray(t1) - t0
+        control = terms.contr(t0, t1)
+
+        # The increment g = f dt (`vf_prod`, so that a reversed-time solve's
+        # `diffrax.WrapTerm`, whose control is negative, is handled as Diffrax does):
+        # the stages then read (I/gamma - dg/dy) k_i = g(t_i, Y_i) + d_i h dg/dt + sum_j
+        # C_ij k_j, the W-transformed form with the step size scaled out.
+        def g(t, flat):
+            out = terms.vf_prod(t, unravel(flat), args, control)
+            out_flat, _ = jfu.ravel_pytree(out)
+            return out_flat.astype(dtype)
+
+        # W = I/gamma - h J as one materialised operator: the structure engine sees the
+        # identity, so W keeps J's block, band or sparsity pattern (with its diagonal).
+        W = materialise_operator(lambda y, _: y / _GAMMA - g(t0, y), flat0, None)
+        state = self.linear_solver.init(W, {})
+
+        def solve(b):
+            return lx.linear_solve(W, b, self.linear_solver, state=state, throw=False)
+
+        g0, dgdt = jax.jvp(lambda t: g(t, flat0), (t0,), (jnp.ones_like(t0),))
+        with jax.numpy_dtype_promotion("standard"):
+            h_dgdt = (h * dgdt).astype(dtype)
+
+        ks = []
+        result = RESULTS.successful
+        y_stage = flat0
+        for i in range(8):
+            if i == 0:
+                fi = g0
+            elif i < 5:
+                y_stage = flat0 + sum(a * k for a, k in zip(_A[i - 1], ks))
+                fi = g(t0 + _CT[i] * h, y_stage)
+            elif i == 5:
+                y_stage = flat0 + sum(a * k for a, k in zip(_A[4], ks))
+                fi = g(t0 + h, y_stage)
+            else:
+                y_stage = y_stage + ks[-1]
+                fi = g(t0 + h, y_stage)
+            b = fi
+            if i < 5:
+                b = b + _D[i] * h_dgdt
+            if i > 0:
+                b = b + sum(c * k for c, k in zip(_C[i - 1], ks))
+            sol = solve(b)
+            ks.append(sol.value)
+            result = RESULTS.where(
+                result == RESULTS.successful, RESULTS.promote(sol.result), result
+            )
+        flat1 = y_stage + ks[-1]
+        k = jnp.stack(ks)
+        q = jnp.asarray(_H, dtype) @ k
+        y1 = unravel(flat1)
+        y_error = unravel(ks[-1])
+        qs = jax.vmap(unravel)(q)
+        dense_info = dict(y0=y0, y1=y1, q=qs)
+        return y1, y_error, dense_info, None, result

@@ -1,0 +1,261 @@
+import diffrax
+import diffrax_linearize as dl
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.integrate
+import scipy.linalg
+
+
+def _robertson(t, y, args):
+    y1, y2, y3 = y[..., 0], y[..., 1], y[..., 2]
+    return jnp.stack(
+        [
+            -0.04 * y1 + 1e4 * y2 * y3,
+            0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2,
+            3e7 * y2**2,
+        ],
+        axis=-1,
+    )
+
+
+def _robertson_np(t, y):
+    y1, y2, y3 = y
+    return [-0.04 * y1 + 1e4 * y2 * y3, 0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2, 3e7 * y2**2]
+
+
+_Y0 = np.array([1.0, 0.0, 0.0])
+
+
+def _nonlinear(t, y, args):
+    # Smooth, non-autonomous and nonlinear: exercises the df/dt stage terms.
+    return jnp.stack([-(y[0] ** 2) + jnp.sin(3 * t) * y[1], -0.5 * y[1] + jnp.cos(t) * y[0]])
+
+
+def _nonlinear_ref(t1, y0):
+    def f(t, y):
+        return [-(y[0] ** 2) + np.sin(3 * t) * y[1], -0.5 * y[1] + np.cos(t) * y[0]]
+
+    sol = scipy.integrate.solve_ivp(f, (0, t1), y0, method="DOP853", rtol=1e-13, atol=1e-15)
+    return sol.y[:, -1]
+
+
+def test_order():
+    """Fixed steps on a nonlinear non-autonomous problem: the fitted global order is 5."""
+    y0 = jnp.array([1.0, 0.5])
+    ref = _nonlinear_ref(2.0, [1.0, 0.5])
+
+    @jax.jit
+    def solve(dt):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(_nonlinear), dl.Rodas5P(), 0.0, 2.0, dt, y0, max_steps=100
+        )
+        return sol.ys[-1]
+
+    ns = np.array([8, 16, 32, 64])
+    errs = [float(jnp.max(jnp.abs(solve(2.0 / n) - ref))) for n in ns]
+    order = -np.polyfit(np.log(ns), np.log(errs), 1)[0]
+    assert 4.5 < order < 5.6, (order, errs)  # 5.12 when written
+
+
+def test_dense_output():
+    """Rodas5P's dense output between the steps agrees with a tight reference, and
+    converges at order > 4 in the step (16x for half the step would be order 4)."""
+    y0 = jnp.array([1.0, 0.5])
+    ts = jnp.linspace(0.05, 1.95, 7)
+    ref = np.stack([_nonlinear_ref(float(t), [1.0, 0.5]) for t in ts])
+    errs = []
+    for dt in (0.1, 0.05):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(_nonlinear),
+            dl.Rodas5P(),
+            0.0,
+            2.0,
+            jnp.asarray(dt),  # traced: one compilation for both step sizes
+            y0,
+            saveat=diffrax.SaveAt(ts=ts),
+            max_steps=64,
+        )
+        errs.append(np.max(np.abs(np.asarray(sol.ys) - ref)))
+    assert errs[0] < 5e-7, errs
+    assert errs[0] / errs[1] > 16, errs
+
+
+def test_reversed_time():
+    """Solving back from the forward solution at t = 2 recovers y0 (Diffrax wraps the term
+    so that its control, the step, is negative)."""
+    y2 = _nonlinear_ref(2.0, [1.0, 0.5])
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(_nonlinear), dl.Rodas5P(), 2.0, 0.0, -0.05, jnp.asarray(y2)
+    )
+    np.testing.assert_allclose(sol.ys[-1], [1.0, 0.5], atol=1e-7)
+
+
+def _robertson_ref(t1):
+    sol = scipy.integrate.solve_ivp(
+        _robertson_np, (0, t1), _Y0, method="Radau", rtol=1e-12, atol=1e-14
+    )
+    return sol.y[:, -1]
+
+
+def test_robertson_adaptive():
+    rtol, atol = 1e-6, 1e-10
+    ref = _robertson_ref(100.0)
+    ctrl = diffrax.PIDController(rtol=rtol, atol=atol)
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(_robertson),
+        dl.Rodas5P(),
+        0.0,
+        100.0,
+        1e-4,
+        jnp.asarray(_Y0),
+        stepsize_controller=ctrl,
+        max_steps=10_000,
+    )
+    y1 = np.asarray(sol.ys[-1])
+    # Each component to within 10x rtol relative, or the absolute tolerance scale.
+    np.testing.assert_allclose(y1, ref, rtol=10 * rtol, atol=10 * atol)
+    assert int(sol.stats["num_steps"]) < 100  # 49 when written
+
+
+def _stacked(t, y, args):
+    return _robertson(t, y.reshape(3, 3), args).ravel()
+
+
+_Y0_STACK = jnp.array([[1.0, 0.0, 0.0], [0.5, 0.0, 0.5], [0.9, 1e-5, 0.1]])
+
+
+def test_block_diagonal_step_matches_single():
+    """One step on a stack of independent Robertson systems (a block-diagonal Jacobian,
+    factored block by block) gives each block the single system's step and error."""
+    op = dl.materialise_operator(lambda y: _stacked(0.0, y, None), _Y0_STACK.ravel())
+    assert isinstance(op, dl.BlockDiagonalLinearOperator)
+    solver = dl.Rodas5P()
+
+    @jax.jit
+    def step(y0, t1):
+        term = diffrax.ODETerm(_stacked if y0.ndim == 1 and y0.size == 9 else _robertson)
+        y1, err, _, _, result = solver.step(term, 0.0, t1, y0, None, None, False)
+        return y1, err, result
+
+    for t1 in (1e-4, 1e-2):  # h times the third block's fastest rate reaches ~10
+        whole, whole_err, result = step(_Y0_STACK.ravel(), t1)
+        assert result == diffrax.RESULTS.successful
+        for i in range(3):
+            single, single_err, _ = step(_Y0_STACK[i], t1)
+            np.testing.assert_allclose(whole.reshape(3, 3)[i], single, rtol=1e-12, atol=1e-15)
+            np.testing.assert_allclose(
+                whole_err.reshape(3, 3)[i], single_err, rtol=1e-8, atol=1e-15
+            )
+
+
+@pytest.mark.slow  # compiles two whole solves: ~15 s on 2 cores
+def test_block_diagonal_matches_single():
+    """A stack of independent Robertson systems (a block-diagonal Jacobian, factored
+    block by block) gives each block the single system's answer."""
+    y0 = jnp.array([[1.0, 0.0, 0.0], [0.5, 0.0, 0.5], [0.9, 1e-5, 0.1]])
+
+    def stacked(t, y, args):
+        return _robertson(t, y.reshape(3, 3), args).ravel()
+
+    op = dl.materialise_operator(lambda y: stacked(0.0, y, None), y0.ravel())
+    assert isinstance(op, dl.BlockDiagonalLinearOperator)
+
+    # Prescribed steps (an adaptive controller on the stack sees all blocks at once) keep
+    # the comparison exact up to rounding; geometric, as Robertson's time scales are.
+    ts = jnp.concatenate([jnp.zeros(1), jnp.geomspace(1e-5, 10.0, 100)])
+    kw = dict(t0=0.0, t1=10.0, dt0=None, stepsize_controller=diffrax.StepTo(ts))
+    whole = diffrax.diffeqsolve(diffrax.ODETerm(stacked), dl.Rodas5P(), y0=y0.ravel(), **kw)
+
+    def single(y0_i):  # vmapped: each batch element is still one dense 3x3 system
+        term = diffrax.ODETerm(_robertson)
+        return diffrax.diffeqsolve(term, dl.Rodas5P(), y0=y0_i, **kw).ys[-1]
+
+    singles = jax.vmap(single)(y0)
+    np.testing.assert_allclose(whole.ys[-1].reshape(3, 3), singles, rtol=1e-10, atol=1e-14)
+
+
+def _small(t, y, args):
+    return jnp.stack([-args * y[0] + y[1] ** 2, -y[1] + jnp.sin(t) * y[0]])
+
+
+def _solve_small(y0, k, adaptive=True):
+    if adaptive:
+        controller = diffrax.PIDController(rtol=1e-8, atol=1e-8)
+    else:
+        controller = diffrax.ConstantStepSize()
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(_small),
+        dl.Rodas5P(),
+        0.0,
+        1.0,
+        0.1,
+        y0,
+        args=k,
+        stepsize_controller=controller,
+        adjoint=diffrax.RecursiveCheckpointAdjoint(),
+    )
+    return sol.ys[-1]
+
+
+def test_jit_vmap():
+    def solve(y0, k):
+        return _solve_small(y0, k, adaptive=False)
+
+    y0s = jnp.array([[1.0, 0.5], [0.3, -0.2]])
+    batched = jax.jit(jax.vmap(solve, in_axes=(0, None)))(y0s, 2.0)
+    solve_jit = jax.jit(solve)
+    for i in range(2):
+        np.testing.assert_allclose(batched[i], solve_jit(y0s[i], 2.0), rtol=1e-10)
+
+
+@pytest.mark.slow  # compiling the reverse pass through adaptive steps: ~30 s on 2 cores
+def test_grad_recursive_checkpoint():
+    def loss(k):
+        return jnp.sum(_solve_small(jnp.array([1.0, 0.5]), k) ** 2)
+
+    g = jax.jit(jax.grad(loss))(2.0)
+    eps = 1e-5
+    fd = (loss(2.0 + eps) - loss(2.0 - eps)) / (2 * eps)
+    np.testing.assert_allclose(g, fd, rtol=1e-5)
+
+
+def test_pytree_state():
+    def f(t, y, args):
+        a, b = y["a"], y["b"]
+        return {"a": -a + b, "b": -(10 * b) + a}
+
+    y0 = {"a": jnp.array(1.0), "b": jnp.array(0.5)}
+    sol = diffrax.diffeqsolve(diffrax.ODETerm(f), dl.Rodas5P(), 0.0, 1.0, 0.05, y0)
+    M = np.array([[-1.0, 1.0], [1.0, -10.0]])
+    ref = scipy.linalg.expm(M) @ np.array([1.0, 0.5])
+    np.testing.assert_allclose(sol.ys["a"][-1], ref[0], rtol=1e-6)
+    np.testing.assert_allclose(sol.ys["b"][-1], ref[1], rtol=1e-6)
+
+
+def test_float32():
+    with jax.enable_x64(False):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(_robertson),
+            dl.Rodas5P(),
+            0.0,
+            100.0,
+            1e-4,
+            jnp.array([1.0, 0.0, 0.0], jnp.float32),
+            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-7),
+            max_steps=10_000,
+        )
+        assert sol.ys.dtype == jnp.float32
+    assert sol.result == diffrax.RESULTS.successful
+    np.testing.assert_allclose(sol.ys[-1], _robertson_ref(100.0), rtol=1e-2, atol=1e-6)
+
+
+def test_sde_error():
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=1e-3, shape=(), key=jax.random.key(0))
+    terms = diffrax.MultiTerm(
+        diffrax.ODETerm(lambda t, y, args: -y),
+        diffrax.ControlTerm(lambda t, y, args: 0.1 * y, bm),
+    )
+    with pytest.raises(TypeError, match="diffrax_linearize.Rodas5P"):
+        diffrax.diffeqsolve(terms, dl.Rodas5P(), 0.0, 1.0, 0.1, jnp.array(1.0))
