@@ -479,24 +479,10 @@ class StratonovichMilstein(MilsteinCommon, AbstractAdaptiveSolver, AbstractStrat
     `diffrax.StratonovichMilstein`: same term structure, interpolation and orders,
     and the same result on the same Brownian path up to floating-point rounding.
 
-    **Adaptive steps.** The step returns an embedded error estimate, the difference from
-    the stochastic trapezoidal (Heun) step that takes this step as its predictor:
-
-    $$E = \tfrac12 \big(f(t_1, y_1) - f(t_0, y_0)\big) \Delta t
-    + \tfrac12 \big(g(t_1, y_1) - g(t_0, y_0)\big) \Delta W
-    - \tfrac12 \sum_{j_1, j_2} (L^{j_1} g_{:, j_2}) \Delta W_{j_1} \Delta W_{j_2},$$
-
-    which is $O(h^{3/2})$: its terms are the leading local error terms of the step (the
-    mixed terms $L^j f$, $L^0 g$ and the triple term $L^{j_1} L^{j_2} g$), as in the
-    estimators of Julia's `RKMil` (Rackauckas & Nie 2017), which uses the drift part and
-    a bound on the triple term. One drift and one diffusion product more per step, and
-    nothing under a constant step size (the compiler drops what nobody reads). So
-    `diffrax.diffeqsolve(terms, solver, t0, t1, None, y0,
-    stepsize_controller=diffrax.PIDController(rtol=..., atol=...))` works, with
-    Diffrax's error order of `strong_order + 0.5 = 1.5`; the Brownian motion must be one
-    that can be re-queried on rejected steps, a `diffrax.VirtualBrownianTree` (Diffrax
-    refuses `diffrax.UnsafeBrownianPath` with adaptive step sizes). Wrapping it in
-    `diffrax.HalfSolver` works too, at three steps per step.
+    **Adaptive steps.** As for [`diffrax_linearize.ItoMilstein`][]: the step returns the
+    same embedded error estimate (the difference from the stochastic trapezoidal step
+    that takes it as predictor, $O(h^{3/2})$), so `diffrax.PIDController` works unwrapped
+    with a `diffrax.VirtualBrownianTree`, and `diffrax.HalfSolver` works too.
     """
 
     check_commutativity: bool = eqx.field(default=False, static=True)

@@ -275,16 +275,10 @@ class GeneralStratonovichMilstein(
     $O(h^{3/2})$ in $L^2$ (what `LevyAreaBrownianPath(bm, dt=dt)` chooses, with `dt`
     the largest step).
 
-    **Adaptive steps.** The step returns the embedded error estimate of
-    [`diffrax_linearize.ItoMilstein`][] (the difference from the stochastic trapezoidal
-    step, built on the symmetric part $\tfrac12 \Delta W \Delta W^\top$ of the iterated
-    integrals, one JVP more), so it can be passed unwrapped to
-    `diffrax.PIDController(rtol=..., atol=...)` with a `diffrax.VirtualBrownianTree`
-    inside the `LevyAreaBrownianPath`. The Lévy area of each step is sampled given its
-    increment only: the areas of a rejected step are forgotten, not carried over to the
-    steps that replace it (the increments are, through the tree's Brownian bridge).
-    Wrapping the solver in `diffrax.HalfSolver` raises an error: the areas of a step and
-    of its two halves are not Chen-consistent, so their difference is no error estimate.
+    **Adaptive steps.** As for [`diffrax_linearize.GeneralItoMilstein`][]: the same
+    embedded error estimate, so `diffrax.PIDController` works unwrapped with a
+    `diffrax.VirtualBrownianTree` inside the `LevyAreaBrownianPath`; the Lévy areas of a
+    rejected step are forgotten, and `diffrax.HalfSolver` raises an error.
 
     Used exactly as in the example of [`diffrax_linearize.GeneralItoMilstein`][], with
     `solver = diffrax_linearize.GeneralStratonovichMilstein()`.
