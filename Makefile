@@ -45,15 +45,17 @@ test-latest:
 	.venv-latest/bin/python -m pytest -q -n $(TEST_WORKERS)
 
 # Diffrax 0.7.2's own tests with our ItoMilstein, StratonovichMilstein and BacksolveAdjoint
-# in place of Diffrax's, then its implicit-solver tests with our VeryChord and then our
-# Newton as the root finder of every implicit solver (not part of `make test`; see
-# tests/diffrax_suite.py for where the tests come from: DIFFRAX_GIT=/path/to/diffrax-clone
-# or DIFFRAX_TESTS=/path/to/test). All three run; the target fails if any failed.
+# in place of Diffrax's, then its implicit-solver tests with Diffrax's own root finders
+# (the baseline), with our VeryChord and with our Newton as the root finder of every
+# implicit solver (not part of `make test`; see tests/diffrax_suite.py for where the tests
+# come from: DIFFRAX_GIT=/path/to/diffrax-clone or DIFFRAX_TESTS=/path/to/test). All four
+# run; the target fails if any failed. Record in docs/devdocs/diffrax_tests.md.
 test-diffrax: $(STAMP)
 	rc=0; \
 	$(PY) tests/diffrax_suite.py -q || rc=1; \
-	$(PY) tests/diffrax_suite.py --implicit verychord -q || rc=1; \
-	$(PY) tests/diffrax_suite.py --implicit newton -q || rc=1; \
+	$(PY) tests/diffrax_suite.py --implicit diffrax -q -rfEx || rc=1; \
+	$(PY) tests/diffrax_suite.py --implicit verychord -q -rfEx || rc=1; \
+	$(PY) tests/diffrax_suite.py --implicit newton -q -rfEx || rc=1; \
 	exit $$rc
 
 # The site, then the checks on it (tests/test_site.py): every public name described, no

@@ -201,56 +201,125 @@ def time_interleaved(
     slow_s: float = 0.05,
     max_time: float = 30.0,
 ) -> dict[str, dict[str, float]]:
-    """Compile and time several functions against each other, interleaved.
+    """[`time_contenders`][] with `rounds` rounds, kept for its callers. (`slow_s` is no
+    longer used: every contender is interleaved, a slow one bounded by `max_time`.)"""
+    del slow_s
+    return time_contenders(fns, repeats=rounds, max_time=max_time, batch_time=batch_time)
 
-    Timing each function in its own block lets slow drifts of a shared or virtual machine
-    (frequency, neighbours) land on one function more than another; interleaving rounds
-    (every function once per round, each round a batch of calls lasting about
-    `batch_time`) puts the drift on all of them alike. Functions slower than `slow_s` per
-    call are timed on their own with [`time_compiled`][]'s loop instead.
 
-    **Arguments:** `fns` maps a name to `(fn, args)`; `fn` is jitted here.
+def summarise_times(times: Sequence[float]) -> dict[str, float]:
+    """The minimum of `times` (the figure to compare: load only ever adds time) and its
+    spread: the median and the maximum."""
+    return {
+        "run_min_s": min(times),
+        "run_s": statistics.median(times),
+        "run_max_s": max(times),
+    }
 
-    **Returns:** per name, `{"compile_s", "run_s" (median per call over rounds),
-    "run_min_s", "repeats"}`.
+
+def time_contenders(
+    fns: dict[str, tuple[Callable, tuple]],
+    *,
+    repeats: int = 7,
+    min_time: float = 0.0,
+    max_time: float = 30.0,
+    warmup: bool = True,
+    batch_time: float = 0.01,
+) -> dict[str, dict[str, float]]:
+    """Compile several contenders, then time them interleaved, round-robin (A B C A B C
+    ...), so that a drifting or shared machine slows all of them alike.
+
+    Each contender is jitted and compiled (timed apart), called once untimed if `warmup`,
+    and then timed once per round, blocking on its result; a round of a contender faster
+    than `batch_time` is a batch of calls lasting about that long. Rounds go on until every
+    contender has `repeats` rounds and `min_time` seconds of timed calls; a contender that
+    has spent `max_time` seconds drops out.
+
+    **Arguments:** `fns` maps a name to `(fn, args)`.
+
+    **Returns:** per name, `{"compile_s", "run_min_s" (the fastest round, per call: the
+    figure to compare), "run_s" (median round), "run_max_s", "cpu_s" (median CPU time of
+    this process per call), "rounds", "repeats" (timed calls)}`.
     """
-    compiled, first, out = {}, {}, {}
+    return time_contenders_output(
+        fns,
+        repeats=repeats,
+        min_time=min_time,
+        max_time=max_time,
+        warmup=warmup,
+        batch_time=batch_time,
+    )[1]
+
+
+def time_contenders_output(
+    fns: dict[str, tuple[Callable, tuple]],
+    *,
+    repeats: int = 7,
+    min_time: float = 0.0,
+    max_time: float = 30.0,
+    warmup: bool = True,
+    batch_time: float = 0.01,
+) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """As [`time_contenders`][], also returning each contender's output of its first
+    timed call."""
+    compiled, out = {}, {}
     for name, (fn, args) in fns.items():
         t0 = time.perf_counter()
         compiled[name] = jax.jit(fn).lower(*args).compile()
-        compile_s = time.perf_counter() - t0
-        block(compiled[name](*args))  # warm-up
-        t0 = time.perf_counter()
-        block(compiled[name](*args))
-        first[name] = time.perf_counter() - t0
-        out[name] = {"compile_s": compile_s}
-    fast = [name for name in fns if first[name] < slow_s]
-    for name in fns:
-        if name not in fast:
-            args = fns[name][1]
-            times = [first[name]]
-            start = time.perf_counter()
-            while len(times) < 5 and time.perf_counter() - start < max_time:
-                t0 = time.perf_counter()
-                block(compiled[name](*args))
-                times.append(time.perf_counter() - t0)
-            out[name].update(
-                run_s=statistics.median(times), run_min_s=min(times), repeats=len(times)
-            )
-    calls = {name: max(1, int(batch_time / max(first[name], 1e-7))) for name in fast}
-    per_call: dict[str, list[float]] = {name: [] for name in fast}
-    for _ in range(rounds):
-        for name in fast:
-            args = fns[name][1]
+        out[name] = {"compile_s": time.perf_counter() - t0}
+    calls = dict.fromkeys(fns, 1)
+    if warmup:
+        for name, (_, args) in fns.items():
             t0 = time.perf_counter()
+            block(compiled[name](*args))
+            calls[name] = _calls(time.perf_counter() - t0, batch_time)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    spent = dict.fromkeys(fns, 0.0)
+    counted = dict.fromkeys(fns, 0)
+    outputs: dict[str, Any] = {}
+
+    def done(name):
+        return spent[name] >= max_time or (len(times[name]) >= repeats and spent[name] >= min_time)
+
+    while not all(done(name) for name in fns):
+        for name, (_, args) in fns.items():
+            if spent[name] >= max_time:
+                continue
+            t0, c0 = time.perf_counter(), _cpu_time()
             for _ in range(calls[name]):
                 result = compiled[name](*args)
             block(result)
-            per_call[name].append((time.perf_counter() - t0) / calls[name])
-    for name in fast:
+            elapsed = time.perf_counter() - t0
+            times[name].append(elapsed / calls[name])
+            cpu[name].append((_cpu_time() - c0) / calls[name])
+            spent[name] += elapsed
+            counted[name] += calls[name]
+            if name not in outputs:
+                outputs[name] = result
+                if not warmup:
+                    calls[name] = _calls(elapsed, batch_time)
+    for name in fns:
         out[name].update(
-            run_s=statistics.median(per_call[name]),
-            run_min_s=min(per_call[name]),
-            repeats=rounds * calls[name],
+            summarise_times(times[name]),
+            cpu_s=statistics.median(cpu[name]),
+            rounds=len(times[name]),
+            repeats=counted[name],
         )
-    return out
+    return outputs, out
+
+
+def _calls(seconds: float, batch_time: float) -> int:
+    return max(1, int(batch_time / max(seconds, 1e-7)))
+
+
+def fmt_spread(row: dict) -> str:
+    """A row's fastest time with its spread: `39 µs (+12%)`, where +12% is how far its
+    median round lay above the fastest; `(1 run)` where it was timed once."""
+    fastest = row.get("run_min_s", row.get("run_s"))
+    if fastest is None:
+        return "—"
+    median = row.get("run_s")
+    if row.get("rounds", row.get("repeats")) == 1 or median is None:
+        return f"{fmt_time(fastest)} (1 run)"
+    return f"{fmt_time(fastest)} (+{100 * (median / fastest - 1):.0f}%)"

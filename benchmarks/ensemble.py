@@ -202,11 +202,7 @@ COLUMNS = [
     ("processes", "processes"),
     ("devices", "devices"),
     ("cores", "cores"),
-    ("paths", "paths"),
-    ("steps", "steps"),
-    ("compile_s", "compile"),
     ("run_s", "run (median)"),
-    ("cpu_s", "CPU time"),
     ("paths_per_sec", "paths / s"),
     ("speedup", "speedup"),
     ("efficiency", "efficiency"),
@@ -215,10 +211,18 @@ COLUMNS = [
 
 
 def table(rows) -> str:
-    """The Markdown table of `docs/ensembles.md`."""
+    """The Markdown table of `docs/ensembles.md`: eight columns, then a line with the
+    problem size (paths and steps per configuration) and a pointer to the JSON for the
+    compile and CPU times."""
     from benchmarks._common import markdown_table
 
-    return markdown_table(rows, COLUMNS)
+    sizes = sorted({(r.get("paths"), r.get("steps")) for r in rows})
+    size = "; ".join(f"{p} paths of {s} steps" for p, s in sizes)
+    return (
+        markdown_table(rows, COLUMNS)
+        + f"\n\nEach configuration solves {size}. Compile and CPU times per configuration"
+        " are in `benchmarks/results/ensemble-cpu-cpu.json`."
+    )
 
 
 def summary(rows) -> str:

@@ -19,7 +19,7 @@ import json
 import pathlib
 import re
 
-from benchmarks._common import fmt_ratio, fmt_time, markdown_table, RESULTS
+from benchmarks._common import fmt_ratio, fmt_spread, fmt_time, markdown_table, RESULTS
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -251,14 +251,17 @@ def _step_cost(data: dict) -> list[str]:
     for diffusion, d in cells:
         t = lambda solver: by[(diffusion, d, solver)].get("run_min_s")  # noqa: E731
         ratio = lambda a, b: fmt_ratio(a / b) if a and b else None  # noqa: E731
+        spread = lambda solver: (  # noqa: E731
+            fmt_spread(by[(diffusion, d, solver)]) if t(solver) else None
+        )
         out.append(
             dict(
                 diffusion=diffusion,
                 d=d,
-                ito_s=t("ours_ito"),
-                diffrax_ito_s=t("diffrax_ito"),
+                ito=spread("ours_ito"),
+                diffrax_ito=spread("diffrax_ito"),
                 vs_ito=ratio(t("ours_ito"), t("diffrax_ito")),
-                strat_s=t("ours_strat"),
+                strat=spread("ours_strat"),
                 vs_strat=ratio(t("ours_strat"), t("diffrax_strat")),
                 vs_euler=ratio(t("ours_ito"), t("euler")),
             )
@@ -266,10 +269,10 @@ def _step_cost(data: dict) -> list[str]:
     columns = [
         ("diffusion", "diffusion"),
         ("d", "d = m"),
-        ("ito_s", "ours, Itô"),
-        ("diffrax_ito_s", "diffrax.ItoMilstein"),
+        ("ito", "ours, Itô"),
+        ("diffrax_ito", "diffrax.ItoMilstein"),
         ("vs_ito", "ours / diffrax.ItoMilstein"),
-        ("strat_s", "ours, Stratonovich"),
+        ("strat", "ours, Stratonovich"),
         ("vs_strat", "ours / diffrax.StratonovichMilstein"),
         ("vs_euler", "ours, Itô / diffrax.Euler"),
     ]
@@ -278,9 +281,10 @@ def _step_cost(data: dict) -> list[str]:
         if "skipped" in r:
             skipped.setdefault((r["diffusion"], r["d"], r["skipped"]), []).append(r["solver"])
     out_lines = [
-        "Fastest of the interleaved rounds of each step (a step takes microseconds, and on a "
-        "shared machine a median carries the neighbours' load: by medians the diagonal step "
-        "would come out cheaper than the Euler step it contains).",
+        "Fastest of the interleaved rounds of each step, and in brackets how far the median "
+        "round lay above it (the spread); ratios from the fastest rounds (a step takes "
+        "microseconds, and on a shared machine a median carries the neighbours' load: by "
+        "medians the diagonal step would come out cheaper than the Euler step it contains).",
         "",
         markdown_table(out, columns),
         "",

@@ -29,7 +29,14 @@ import jax.numpy as jnp
 import jax.random as jr
 import lineax as lx
 
-from benchmarks._common import fmt_ratio, markdown_table, plot_path, time_interleaved, write_results
+from benchmarks._common import (
+    fmt_ratio,
+    fmt_spread,
+    markdown_table,
+    plot_path,
+    time_contenders,
+    write_results,
+)
 
 
 NAME = "step_cost"
@@ -153,15 +160,15 @@ def run(
                 rows.append(row)
             # All solvers of a cell timed against each other, interleaved: the ratios are
             # what matter, and interleaving keeps a drifting machine from biasing them.
-            timings = time_interleaved(to_time, max_time=BUDGET_S)
+            timings = time_contenders(to_time, repeats=21, max_time=BUDGET_S)
             for row in rows:
                 if row["diffusion"] == diffusion and row["d"] == d and row["solver"] in timings:
                     timing = timings[row["solver"]]
                     row.update(timing)
-                    history[row["solver"]].append((d, timing["compile_s"], timing["run_s"]))
+                    history[row["solver"]].append((d, timing["compile_s"], timing["run_min_s"]))
                     print(
                         f"{diffusion:>12} d={d:<5} {row['solver']:>13}: "
-                        f"run {timing['run_s'] * 1e3:9.3f} ms, "
+                        f"run {fmt_spread(timing):>16}, "
                         f"compile {timing['compile_s']:6.2f} s",
                         flush=True,
                     )
@@ -177,8 +184,10 @@ def run(
         step=f"[{T0}, {T1}]",
         note=(
             "One jitted `solver.step` (after `solver.init`), UnsafeBrownianPath, "
-            "d = m. `ratio_to_euler` is run_s / run_s of diffrax.Euler at the same "
-            "cell. Skipped cells say why."
+            "d = m; the solvers of a cell timed interleaved (round-robin). `run_min_s` is "
+            "the fastest round, `run_s` the median and `run_max_s` the slowest (the "
+            "spread). `ratio_to_euler` is run_min_s / run_min_s of diffrax.Euler at the "
+            "same cell. Skipped cells say why."
         ),
     )
     print(f"\nwrote {path}")
@@ -190,57 +199,65 @@ def derive(data: dict) -> dict:
     """`data` with each step's time over Euler's at the same cell recomputed."""
     rows = [{k: v for k, v in r.items() if k != "ratio_to_euler"} for r in data["rows"]]
     euler = {
-        (r["diffusion"], r["d"]): r["run_s"]
+        (r["diffusion"], r["d"]): r["run_min_s"]
         for r in rows
-        if r["solver"] == "euler" and "run_s" in r
+        if r["solver"] == "euler" and "run_min_s" in r
     }
     for r in rows:
         base = euler.get((r["diffusion"], r["d"]))
-        if base and "run_s" in r:
-            r["ratio_to_euler"] = r["run_s"] / base
+        if base and "run_min_s" in r:
+            r["ratio_to_euler"] = r["run_min_s"] / base
     return dict(data, rows=rows)
 
 
 def table(rows: list[dict]) -> str:
-    """Step times, one line per (diffusion, d), one column per solver; then compile
-    times and the ratios of our Itô step to Euler and to Diffrax's."""
+    """Step times (fastest interleaved round, with its spread), one line per (diffusion, d),
+    one column per solver; then the ratios, each ours over the other's, from the fastest
+    rounds; then compile times. Each table at most eight columns."""
     cells: dict[tuple[str, int], dict] = {}
     for r in rows:
         cell = cells.setdefault(
             (r["diffusion"], r["d"]), {"diffusion": r["diffusion"], "d": r["d"]}
         )
         if "run_s" in r:
-            cell[f"{r['solver']}_s"] = r["run_s"]
+            cell[r["solver"]] = fmt_spread(r)
+            cell[f"{r['solver']}_min"] = r.get("run_min_s", r["run_s"])
             cell[f"{r['solver']}_compile_s"] = r["compile_s"]
         else:
-            cell[f"{r['solver']}_s"] = None
+            cell[r["solver"]] = None
     for cell in cells.values():
-        ours, euler = cell.get("ours_ito_s"), cell.get("euler_s")
-        theirs = cell.get("diffrax_ito_s")
-        cell["ito_vs_euler"] = fmt_ratio(ours / euler) if ours and euler else None
-        cell["ito_vs_diffrax"] = fmt_ratio(ours / theirs) if ours and theirs else None
-        strat, theirs_strat = cell.get("ours_strat_s"), cell.get("diffrax_strat_s")
-        cell["strat_vs_diffrax"] = (
-            fmt_ratio(strat / theirs_strat) if strat and theirs_strat else None
+        ratio = lambda a, b: (  # noqa: E731
+            fmt_ratio(cell[f"{a}_min"] / cell[f"{b}_min"])
+            if cell.get(f"{a}_min") and cell.get(f"{b}_min")
+            else None
         )
-    columns = [("diffusion", "diffusion"), ("d", "d = m")]
-    columns += [(f"{s}_s", s) for s in SOLVERS]
-    columns += [
-        ("ito_vs_euler", "ours_ito / euler"),
+        cell["ito_vs_euler"] = ratio("ours_ito", "euler")
+        cell["ito_vs_diffrax"] = ratio("ours_ito", "diffrax_ito")
+        cell["strat_vs_diffrax"] = ratio("ours_strat", "diffrax_strat")
+        cell["strat_vs_euler_heun"] = ratio("ours_strat", "euler_heun")
+    head = [("diffusion", "diffusion"), ("d", "d = m")]
+    columns = head + [(s, s) for s in SOLVERS]
+    ratio_columns = head + [
         ("ito_vs_diffrax", "ours_ito / diffrax_ito"),
         ("strat_vs_diffrax", "ours_strat / diffrax_strat"),
+        ("ito_vs_euler", "ours_ito / euler"),
+        ("strat_vs_euler_heun", "ours_strat / euler_heun"),
     ]
-    compile_columns = [("diffusion", "diffusion"), ("d", "d = m")]
-    compile_columns += [(f"{s}_compile_s", f"{s} compile") for s in SOLVERS]
+    compile_columns = head + [(f"{s}_compile_s", f"{s} compile") for s in SOLVERS]
     skipped = [
         f"- {r['diffusion']} d={r['d']} {r['solver']}: {r['skipped']}"
         for r in rows
         if "skipped" in r
     ]
     out = [
-        "Step time (median):",
+        "Step time: the fastest of the interleaved rounds, and in brackets how far the "
+        "median round lay above it (the spread):",
         "",
         markdown_table(list(cells.values()), columns),
+        "",
+        "Ratios of the fastest rounds, ours / the other's (below 1: ours is faster):",
+        "",
+        markdown_table(list(cells.values()), ratio_columns),
         "",
         "Compile time:",
         "",

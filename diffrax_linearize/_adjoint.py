@@ -688,6 +688,15 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
     gives), and the Brownian motion must be re-evaluable backwards in time: use
     `diffrax.VirtualBrownianTree`, not `diffrax.UnsafeBrownianPath`.
 
+    **Adaptive steps.** With an adaptive controller (the Milstein solvers here have
+    their own error estimates, so `diffrax.PIDController` takes them unwrapped) the
+    backward solve adapts on its own: it is a `diffrax.diffeqsolve` of the adjoint SDE
+    with the same step-size controller (or `stepsize_controller=` if given), between
+    each pair of save times, and its steps need not be the forward ones. Its error
+    estimate covers the whole augmented state (the state, its adjoint and the
+    accumulated parameter gradients). Tested against `diffrax.RecursiveCheckpointAdjoint`
+    through the same adaptive forward solve.
+
     Gradients are with respect to `y0`, `args` and `terms`; anything else (`t0`, values
     closed over) raises JAX's `CustomVJPException`, as for Diffrax's.
     """

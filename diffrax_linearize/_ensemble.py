@@ -266,9 +266,11 @@ def solve_ensemble(
     if returned, stay sharded.
 
     Works with every solver, diffrax's or this package's, since each path is an
-    ordinary `diffrax.diffeqsolve`. Results equal `jax.vmap` of `diffeqsolve` over
-    the same keys, path for path, up to rounding (XLA may compile one device's batch
-    size differently from the whole batch's).
+    ordinary `diffrax.diffeqsolve`; with an adaptive step-size controller (for example
+    `stepsize_controller=diffrax.PIDController(rtol, atol)` with
+    [`diffrax_linearize.ItoMilstein`][]) each path adapts its own steps. Results
+    equal `jax.vmap` of `diffeqsolve` over the same keys, path for path, up to
+    rounding (XLA may compile one device's batch size differently from the whole batch's).
 
     **Arguments:**
 

@@ -449,7 +449,9 @@ def _reshape_rule(ctx, eqn, vals):
     aval = _out_aval(eqn)
     new_shape = tuple(aval.shape)
     if math.prod(x.shape) == 0:
-        return NotImplemented
+        # An empty array (the width-0 side of `jnp.pad(..., mode="edge")`) has an empty
+        # Jacobian: no blocks, which the rules read as zero.
+        return [Lin({}, aval.shape, aval.dtype)]
     dims = eqn.params.get("dimensions")
     blocks = {}
     for p, b in x.blocks.items():

@@ -30,8 +30,9 @@ Diffrax's own classes, as a baseline.
 (`IMPLICIT_SELECTION`: the ODE order tests, `test_detest.py`, `test_very_chord.py`, the
 implicit tests of `test_solver.py`, `test_event.py`, `test_vmap.py`,
 `test_adjoint.py::test_implicit`), with `diffrax_linearize.VeryChord` (or `.Newton`) as the
-root finder of every implicit solver the tests build. `make test-diffrax` runs both root
-finders after the first selection. Diffrax builds its default root finder once, as the
+root finder of every implicit solver the tests build. `make test-diffrax` runs, after the
+first selection, this one with Diffrax's own root finders (`--implicit diffrax`), then with
+both of ours. Diffrax builds its default root finder once, as the
 dataclass field default of each solver class (`root_finder=
 with_stepsize_controller_tols(VeryChord)()`, `optimistix.Chord` for `ImplicitEuler`), and
 the dataclass `__init__` holds that instance in its `__defaults__`; so before collection
@@ -41,8 +42,16 @@ also call explicitly (`diffrax.Kvaerno5(root_finder=diffrax.VeryChord(rtol=1e-3,
 atol=1e-6))`), by a constructor with its signature that returns ours. `optimistix`'s root
 finders named in the tests (the references of `test_sil3`, the event root finders) stay.
 The report header of each worker names the root finder `diffrax.Kvaerno5()` and
-`diffrax.VeryChord(...)` then hold. With `DIFFRAX_SUITE_PLAIN=1` the same selection runs
-with Diffrax's own root finders, as a baseline.
+`diffrax.VeryChord(...)` then hold.
+
+Two more legs run Diffrax's own root finders on the same selection:
+`--implicit diffrax` (the baseline, as `DIFFRAX_SUITE_PLAIN=1 ... --implicit verychord`
+is), and `--implicit upstream`, Diffrax's own with `diffrax.VeryChord.terminate` as fixed
+after Diffrax 0.7.2 (diffrax PR #754, the same one-line change as optimistix PR #230,
+which ours follows): a divergence only when the iterates diverge, not whenever two
+iterations have not converged. `upstream` is evidence, not a substitute: a test that
+fails with ours and passes with `diffrax`, but fails with `upstream` the same way, fails
+for the termination fix, not for anything else of ours.
 """
 
 import hashlib
@@ -112,7 +121,28 @@ IMPLICIT_SELECTION = [
     "test/test_vmap.py",
     "test/test_event.py",
 ]
-ROOT_FINDERS = ("verychord", "newton")
+# Ours, then Diffrax's own (the baseline) and Diffrax's own with the upstream fix.
+ROOT_FINDERS = ("verychord", "newton", "diffrax", "upstream")
+# The implicit-solver tests that fail, with the legs they fail in and why (evidence in
+# `docs/devdocs/diffrax_tests.md`). Each is marked `xfail(strict=True)` in those legs: it
+# still runs, and the run fails if it passes (then the record is out of date) or if any
+# other test fails.
+KNOWN_FAILURES = {
+    "test/test_adjoint.py::test_implicit": (
+        ROOT_FINDERS,
+        "fails with Diffrax's own classes too on jax 0.10.2: a float64 * int64 "
+        "TypePromotionError under the tests' strict promotion, inside Diffrax's "
+        "ImplicitAdjoint, with nothing of ours in the traceback",
+    ),
+    "test/test_solver.py::test_implicit_euler_adaptive": (
+        ("verychord", "newton", "upstream"),
+        "asserts Diffrax 0.7.2's VeryChord report of a slowly converging chord iteration "
+        "as a divergence; with the termination as fixed upstream (diffrax PR #754, "
+        "optimistix PR #230; ours, and `--implicit upstream`) it is the nonlinear "
+        "solver's maximum number of steps, at the same iterate; Newton (ours and "
+        "optimistix.Newton alike) also takes more than the 10 iterations allowed",
+    ),
+}
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -127,11 +157,29 @@ def pytest_configure(config):
     import diffrax_linearize
 
     root_finder = os.environ.get("DIFFRAX_SUITE_ROOT_FINDER")
+    if root_finder == "upstream":
+        _upstream_very_chord()
+    if root_finder in ("diffrax", "upstream"):
+        return
     if root_finder:
         _substitute_root_finders(root_finder)
         return
     for name in SUBSTITUTED:
         setattr(diffrax, name, getattr(diffrax_linearize, name))
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    leg = os.environ.get("DIFFRAX_SUITE_ROOT_FINDER")
+    if not leg:
+        return
+    if os.environ.get("DIFFRAX_SUITE_PLAIN"):
+        leg = "diffrax"
+    for item in items:
+        legs, reason = KNOWN_FAILURES.get(item.nodeid, ((), ""))
+        if leg in legs:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
 
 
 def _substitute_root_finders(name: str) -> None:
@@ -175,17 +223,55 @@ def _substitute_root_finders(name: str) -> None:
     diffrax.VeryChord = very_chord
 
 
+def upstream_terminate(self, fn, y, args, options, state, tags):
+    """`diffrax.VeryChord.terminate` as fixed after Diffrax 0.7.2 (diffrax PR #754,
+    optimistix PR #230): 0.7.2's, but for the condition of `nonlinear_divergence`,
+    `diverged` where 0.7.2 has `diverged | ~converged`."""
+    import jax.numpy as jnp
+    import optimistix as optx
+    from diffrax._root_finder import _verychord
+
+    del fn, y, args, options, tags
+    at_least_two = state.step >= 2
+    rate = state.diffsize / state.diffsize_prev
+    factor = state.diffsize * rate / (1 - rate)
+    small = _verychord._small(state.diffsize)
+    diverged = _verychord._diverged(rate)
+    converged = _verychord._converged(factor, self.kappa)
+    terminate = at_least_two & (small | diverged | converged)
+    terminate_result = optx.RESULTS.where(
+        at_least_two & jnp.invert(small) & diverged,
+        optx.RESULTS.nonlinear_divergence,
+        optx.RESULTS.successful,
+    )
+    linsolve_fail = state.result != optx.RESULTS.successful
+    result = optx.RESULTS.where(linsolve_fail, state.result, terminate_result)
+    return linsolve_fail | terminate, result
+
+
+def _upstream_very_chord() -> None:
+    from diffrax._root_finder import _verychord
+
+    _verychord.VeryChord.terminate = upstream_terminate
+
+
 def pytest_report_header(config):
     import diffrax
 
-    if os.environ.get("DIFFRAX_SUITE_ROOT_FINDER"):
+    root_finder = os.environ.get("DIFFRAX_SUITE_ROOT_FINDER")
+    if root_finder:
         found = (
             f"diffrax.Kvaerno5().root_finder: {_qualname(diffrax.Kvaerno5().root_finder)}, "
             f"diffrax.ImplicitEuler().root_finder: "
             f"{_qualname(diffrax.ImplicitEuler().root_finder)}, "
             f"diffrax.VeryChord(1e-3, 1e-6): {_qualname(diffrax.VeryChord(1e-3, 1e-6))}"
         )
-        whose = "Diffrax's own" if os.environ.get("DIFFRAX_SUITE_PLAIN") else "diffrax_linearize's"
+        if root_finder == "upstream" and not os.environ.get("DIFFRAX_SUITE_PLAIN"):
+            whose = "Diffrax's own (VeryChord's termination as fixed in diffrax PR #754)"
+        elif root_finder == "diffrax" or os.environ.get("DIFFRAX_SUITE_PLAIN"):
+            whose = "Diffrax's own"
+        else:
+            whose = "diffrax_linearize's"
         return f"Diffrax {TAG}'s implicit-solver tests with {whose} root finders ({found})"
     if os.environ.get("DIFFRAX_SUITE_PLAIN"):
         return f"Diffrax {TAG}'s tests with Diffrax's own classes (baseline)"

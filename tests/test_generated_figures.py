@@ -55,9 +55,9 @@ def test_ensemble_figures(tmp_path, monkeypatch):
         "190 on 2 processes (0.95 efficiency)"
     )
     table = figures["ensemble-table"]
-    assert (
-        "| 2 | 2 | 2 | 256 | 1000 | 2.00 s | 1.35 s | 2.70 s | 190 | 1.9 | 0.95 | 1.05 |" in table
-    )
+    assert "| 2 | 2 | 2 | 1.35 s | 190 | 1.9 | 0.95 | 1.05 |" in table
+    assert "256 paths of 1000 steps" in table
+    assert max(line.count("|") - 1 for line in table.splitlines()) <= 8
     text = "a <!-- generated:ensemble-summary -->old<!-- /generated:ensemble-summary --> b"
     assert report.fill(text, figures) == (
         f"a <!-- generated:ensemble-summary -->{figures['ensemble-summary']}"
@@ -91,8 +91,19 @@ _FIGURE = re.compile(
     r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x(?!\w)|\s?(?:µs|ms|s|MiB|GiB)(?!\w)|\s?paths/s)"
 )
 # Figures in the prose that are not benchmark results, by page, and why.
+_TEST_DURATION = "durations of Diffrax's tests in one run (a record, not a benchmark)"
 NOT_MEASURED = {
-    "docs/devdocs/diffrax_tests.md": {"8 MiB": "the default stack size of a thread"},
+    "docs/devdocs/diffrax_tests.md": {
+        "8 MiB": "the default stack size of a thread",
+        "39 s": _TEST_DURATION,
+        "55 s": _TEST_DURATION,
+        "169 s": _TEST_DURATION,
+        "214 s": _TEST_DURATION,
+        "265 s": _TEST_DURATION,
+        "30 s": _TEST_DURATION,
+        "47 s": _TEST_DURATION,
+        "56 s": _TEST_DURATION,
+    },
     "docs/devdocs/structure_engine.md": {"1 MiB": "a threshold of the constant cache"},
     "docs/ensembles.md": {
         "2 s": "the order of magnitude of the guide's own example, not a recorded result",

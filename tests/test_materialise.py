@@ -1315,6 +1315,78 @@ def test_nan_derivatives_as_jacfwd(name):
             np.testing.assert_array_equal(op.mv(v), jax.jvp(fn, (x,), (v,))[1])
 
 
+_CROSS_BLOCK = {
+    # A non-finite partial derivative that reaches its row through a product of several
+    # blocks: `jax.jacfwd` multiplies it by the zero tangents of the other basis vectors.
+    "product-of-inputs": (
+        lambda x, y: x * y,
+        (jnp.array([jnp.inf, 1.0, 2.0]), jnp.array([0.0, 2.0, jnp.nan])),
+        (0, 1),
+    ),
+    "matrix-with-inf": (
+        lambda x: jnp.arange(16.0).reshape(4, 4).at[1, 2].set(jnp.inf) @ x,
+        (jnp.ones(4),),
+        0,
+    ),
+    "logsumexp": (jax.nn.logsumexp, (jnp.array([1.0, jnp.inf, 2.0, -jnp.inf]),), 0),
+    "scaled-selection": (
+        lambda x: (jnp.array([jnp.inf, 1.0, 2.0]) * x)[jnp.array([0, 2])],
+        (jnp.array([1.0, 0.0, 3.0]),),
+        0,
+    ),
+    "sum-then-scale": (lambda x: jnp.inf * jnp.sum(x[:2]) + x[2], (jnp.ones(3),), 0),
+    "pytree": (
+        lambda p: {"a": p["u"] * p["v"], "b": jnp.sin(p["u"])},
+        ({"u": jnp.array([jnp.inf, 1.0]), "v": jnp.array([0.0, 3.0])},),
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_CROSS_BLOCK))
+def test_nan_pattern_across_blocks_as_jacfwd(name):
+    """`jax.jacfwd`'s NaN pattern where the non-finite partial derivative meets the zero
+    tangents through a product of blocks (`x * y` at `x = inf, y = 0`; `A @ x` with an
+    infinite entry of `A`; `logsumexp` at infinite entries): the rest of its row is NaN,
+    in every mode, eager and jitted."""
+    fn, args, argnums = _CROSS_BLOCK[name]
+    expected = jax.jacfwd(fn, argnums=argnums)(*args)
+    leaves = jax.tree.leaves(expected)
+    assert any(np.isnan(e).any() for e in leaves)
+    for mode in ("auto", "forward", "reverse"):
+        out = dl.materialise(fn, *args, argnums=argnums, mode=mode)
+        jitted = jax.jit(lambda *a: dl.materialise(fn, *a, argnums=argnums, mode=mode))(*args)
+        for got in (out, jitted):
+            assert jax.tree.structure(got) == jax.tree.structure(expected)
+            for g, e in zip(jax.tree.leaves(got), leaves):
+                np.testing.assert_array_equal(g, e)
+
+
+def test_nan_pattern_finite_jacobian_unchanged():
+    """The NaN pattern pass runs only where an entry is non-finite: a finite Jacobian is
+    returned as it was computed, bit for bit."""
+    A, _ = _matrices()
+    x = _input((N,), jnp.float64)
+    np.testing.assert_array_equal(dl.materialise(lambda x: A @ x, x), A)
+
+
+def test_operator_reverse_mode_nan_falls_back_to_forward():
+    """A reverse-mode operator whose transposed select forms 0 * inf (NaN) where forward
+    mode does not is rebuilt in forward mode: its matrix is `jax.jacfwd`'s, with the
+    structure kept."""
+    fn = lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.0)[:2] * 3  # noqa: E731
+    x = jnp.array([0.0, 1.0, 2.0])
+    expected = jax.jacfwd(fn)(x)
+    assert np.isfinite(expected).all()
+    assert not np.isfinite(jax.jacrev(fn)(x)).all()  # the test can fail
+    for mode in ("auto", "reverse"):
+        op = dl.materialise_operator(fn, x, mode=mode)
+        assert isinstance(op, dl.SparseLinearOperator)
+        np.testing.assert_array_equal(op.as_matrix(), expected)
+        jitted = jax.jit(lambda x: dl.materialise_operator(fn, x, mode=mode).as_matrix())
+        np.testing.assert_array_equal(jitted(x), expected)
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.tree_util as jtu
 import optimistix as optx
 from diffrax import (
+    AbstractAdaptiveSolver,
     AbstractImplicitSolver,
     AbstractItoSolver,
     AbstractStratonovichSolver,
@@ -24,8 +25,8 @@ from diffrax import (
 )
 
 from .._root_finder import VeryChord
-from .milstein import _milstein_step, _Terms, _Y
-from .milstein_general import _general_milstein_step
+from .milstein import _error_estimate, _milstein_parts, _StepParts, _Terms, _Y
+from .milstein_general import _general_milstein_parts
 
 
 def _default_root_finder():
@@ -77,8 +78,11 @@ def _implicit_drift(solver, terms, t0, t1, y0, args, explicit: _Y):
 class _DriftImplicit:
     """What the drift-implicit solvers share: no solver state, local linear
     interpolation, `func` evaluating the drift and the diffusion, and a `step` that takes
-    the solver's explicit step `_explicit(terms, t0, t1, y0, args)` and makes its drift
-    implicit."""
+    the solver's explicit step `_explicit(terms, t0, t1, y0, args)` (and what its error
+    estimate needs) and makes its drift implicit."""
+
+    # Whether the step has the Milstein correction (whose part the error estimate removes).
+    _milstein: ClassVar[bool] = True
 
     interpolation_cls: ClassVar = LocalLinearInterpolation
     term_structure: ClassVar = _Terms
@@ -95,12 +99,18 @@ class _DriftImplicit:
 
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
         del solver_state, made_jump
-        explicit = self._explicit(terms, t0, t1, y0, args)
+        explicit, parts = self._explicit(terms, t0, t1, y0, args)
         y1, result = _implicit_drift(self, terms, t0, t1, y0, args, explicit)
-        return y1, None, dict(y0=y0, y1=y1), None, result
+        # The weight 1/2 - theta: the difference from the trapezoidal rule in the drift.
+        y_error = _error_estimate(
+            terms, t1, y1, args, parts, drift_weight=0.5 - self.theta, milstein=self._milstein
+        )
+        return y1, y_error, dict(y0=y0, y1=y1), None, result
 
 
-class ImplicitEulerMaruyama(_DriftImplicit, AbstractImplicitSolver, AbstractItoSolver):
+class ImplicitEulerMaruyama(
+    _DriftImplicit, AbstractImplicitSolver, AbstractAdaptiveSolver, AbstractItoSolver
+):
     r"""The drift-implicit Euler-Maruyama method (the theta method in the drift). Converges
     to the Itô solution with strong order 0.5 (1 for additive noise). For the SDE
     $\mathrm{d}y = f(t, y)\,\mathrm{d}t + g(t, y)\,\mathrm{d}W$, one step is
@@ -118,6 +128,8 @@ class ImplicitEulerMaruyama(_DriftImplicit, AbstractImplicitSolver, AbstractItoS
     theta: float
     root_finder: optx.AbstractRootFinder
     root_find_max_steps: int = eqx.field(static=True)
+
+    _milstein: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -152,10 +164,13 @@ class ImplicitEulerMaruyama(_DriftImplicit, AbstractImplicitSolver, AbstractItoS
         f0 = drift.vf_prod(t0, y0, args, drift.contr(t0, t1))
         g0 = diffusion.vf_prod(t0, y0, args, diffusion.contr(t0, t1))
         with jax.numpy_dtype_promotion("standard"):
-            return jtu.tree_map(lambda y, f, g: y + f + g, y0, f0, g0)
+            explicit = jtu.tree_map(lambda y, f, g: y + f + g, y0, f0, g0)
+        return explicit, _StepParts(drift.contr(t0, t1), diffusion.contr(t0, t1), f0, g0, None)
 
 
-class ImplicitItoMilstein(_DriftImplicit, AbstractImplicitSolver, AbstractItoSolver):
+class ImplicitItoMilstein(
+    _DriftImplicit, AbstractImplicitSolver, AbstractAdaptiveSolver, AbstractItoSolver
+):
     r"""Milstein's method with an implicit drift; Itô version. Strong order 1 on
     commutative noise (on any noise with `general_noise=True`), and stable on stiff
     drifts. One step is
@@ -214,17 +229,17 @@ class ImplicitItoMilstein(_DriftImplicit, AbstractImplicitSolver, AbstractItoSol
 
     def _explicit(self, terms, t0, t1, y0, args):
         if self.general_noise:
-            return _general_milstein_step(
+            return _general_milstein_parts(
                 "ImplicitItoMilstein", True, "auto", terms, t0, t1, y0, args
             )
-        return _milstein_step("ImplicitItoMilstein", True, False, terms, t0, t1, y0, args)
+        return _milstein_parts("ImplicitItoMilstein", True, False, terms, t0, t1, y0, args)
 
     def strong_order(self, terms):
         return 1
 
 
 class ImplicitStratonovichMilstein(
-    _DriftImplicit, AbstractImplicitSolver, AbstractStratonovichSolver
+    _DriftImplicit, AbstractImplicitSolver, AbstractAdaptiveSolver, AbstractStratonovichSolver
 ):
     r"""Milstein's method with an implicit drift; Stratonovich version. Strong order 1 on
     commutative noise (on any noise with `general_noise=True`), and stable on stiff
@@ -283,10 +298,12 @@ class ImplicitStratonovichMilstein(
 
     def _explicit(self, terms, t0, t1, y0, args):
         if self.general_noise:
-            return _general_milstein_step(
+            return _general_milstein_parts(
                 "ImplicitStratonovichMilstein", False, "auto", terms, t0, t1, y0, args
             )
-        return _milstein_step("ImplicitStratonovichMilstein", False, False, terms, t0, t1, y0, args)
+        return _milstein_parts(
+            "ImplicitStratonovichMilstein", False, False, terms, t0, t1, y0, args
+        )
 
     def strong_order(self, terms):
         return 1

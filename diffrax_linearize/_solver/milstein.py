@@ -18,6 +18,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from diffrax import (
+    AbstractAdaptiveSolver,
     AbstractItoSolver,
     AbstractStratonovichSolver,
     AbstractTerm,
@@ -34,7 +35,7 @@ from .._term import milstein_trace_term
 _RealScalarLike: TypeAlias = Real[ArrayLike, ""]
 _BoolScalarLike: TypeAlias = Bool[ArrayLike, ""]
 _Y: TypeAlias = PyTree[ArrayLike]
-_ErrorEstimate: TypeAlias = None
+_ErrorEstimate: TypeAlias = PyTree[ArrayLike]
 _SolverState: TypeAlias = None
 _Terms: TypeAlias = MultiTerm[tuple[AbstractTerm[Any, _RealScalarLike], AbstractTerm]]
 
@@ -173,7 +174,20 @@ def _check_flag(solver, field: str):
         )
 
 
-def _milstein_step(
+class _StepParts(eqx.Module):
+    """What the error estimate of a Milstein step needs from the step: the controls and
+    the three products at `(t0, y0)` (each already multiplied by its control)."""
+
+    dt: Any
+    dw: Any
+    f0_prod: Any
+    g0_prod: Any
+    # sum_{j1, j2} (L^{j1} g_{:, j2}) dw_{j1} dw_{j2}: the symmetric (Stratonovich) double
+    # sum without Lévy areas and without the Itô trace term.
+    v0_prod: Any
+
+
+def _milstein_parts(
     name: str,
     ito: bool,
     check_commutativity: bool,
@@ -182,7 +196,7 @@ def _milstein_step(
     t1: _RealScalarLike,
     y0: _Y,
     args,
-) -> _Y:
+) -> tuple[_Y, _StepParts]:
     drift, diffusion = terms.terms
     dt = drift.contr(t0, t1)
     dw = diffusion.contr(t0, t1)
@@ -192,7 +206,8 @@ def _milstein_step(
 
     # sum_{j1, j2} (L^{j1} g_{:, j2}) dw_{j1} dw_{j2}: the derivative of y -> g(y) dw in
     # the direction g(y0) dw. One JVP, whatever the structure of the diffusion.
-    _, v0_prod = jax.jvp(lambda _y: diffusion.vf_prod(t0, _y, args, dw), (y0,), (g0_prod,))
+    _, sym_prod = jax.jvp(lambda _y: diffusion.vf_prod(t0, _y, args, dw), (y0,), (g0_prod,))
+    v0_prod = sym_prod
     if ito:
         # dw_{j1} dw_{j2} - delta_{j1 j2} dt: remove the diagonal dt part.
         trace = ito_trace_term(diffusion, t0, y0, args)
@@ -207,7 +222,65 @@ def _milstein_step(
         dtype = jnp.result_type(*jtu.tree_leaves(y0))
         rtol = jnp.sqrt(jnp.finfo(dtype).eps)
         y1 = eqx.error_if(y1, defect > rtol * scale, _commutativity_message(name))
+    return y1, _StepParts(dt, dw, f0_prod, g0_prod, sym_prod)
+
+
+def _milstein_step(
+    name: str,
+    ito: bool,
+    check_commutativity: bool,
+    terms: _Terms,
+    t0: _RealScalarLike,
+    t1: _RealScalarLike,
+    y0: _Y,
+    args,
+) -> _Y:
+    y1, _ = _milstein_parts(name, ito, check_commutativity, terms, t0, t1, y0, args)
     return y1
+
+
+def _error_estimate(
+    terms: _Terms,
+    t1: _RealScalarLike,
+    y1: _Y,
+    args,
+    parts: _StepParts,
+    drift_weight: float = 0.5,
+    milstein: bool = True,
+) -> _Y:
+    r"""The embedded error estimate of a Milstein step: the difference between the step
+    and the stochastic trapezoidal (Heun) step that uses it as its predictor,
+
+    $$E = w\,\big(f(t_1, y_1) - f(t_0, y_0)\big) \Delta t
+    + \tfrac12 \big(g(t_1, y_1) - g(t_0, y_0)\big) \Delta W
+    - \tfrac12 \sum_{j_1, j_2} (L^{j_1} g_{:, j_2}) \Delta W_{j_1} \Delta W_{j_2},$$
+
+    with $w = \tfrac12$ for the explicit solvers and $w = \tfrac12 - \theta$ for the
+    drift-implicit ones (the difference from the trapezoidal rule in the drift). The
+    last term is dropped for Euler-Maruyama (`milstein=False`). Expanding $g(t_1, y_1)$
+    about $(t_0, y_0)$, the $O(h)$ terms cancel and what is left is $O(h^{3/2})$: the
+    mixed terms $\tfrac12 (L^j f) \Delta W_j h$ and $\tfrac12 (L^0 g) \Delta W h$ and
+    the triple term $\tfrac14 \sum (L^{j_1} L^{j_2} g_{:, j_3}) \Delta W_{j_1}
+    \Delta W_{j_2} \Delta W_{j_3}$, which are (up to their Lévy-area parts, and the
+    $\tfrac14$ for a $\tfrac16$) the leading local error terms of Milstein's method, plus
+    the $O(h^2)$ drift term $\tfrac12 (L^0 f) h^2$. Costs one drift and one diffusion
+    product at $(t_1, y_1)$.
+    """
+    drift, diffusion = terms.terms
+    f1_prod = drift.vf_prod(t1, y1, args, parts.dt)
+    g1_prod = diffusion.vf_prod(t1, y1, args, parts.dw)
+
+    def leaf(y, f0, f1, g0, g1, v=None):
+        e = drift_weight * (f1 - f0) + 0.5 * (g1 - g0)
+        if v is not None:
+            e = e - 0.5 * v
+        return e.astype(jnp.result_type(y))
+
+    trees = (y1, parts.f0_prod, f1_prod, parts.g0_prod, g1_prod)
+    if milstein:
+        trees = (*trees, parts.v0_prod)
+    with jax.numpy_dtype_promotion("standard"):
+        return jtu.tree_map(leaf, *trees)
 
 
 def _called_by_half_solver(solver, frame) -> bool:
@@ -231,23 +304,24 @@ def _check_not_in_half_solver(solver, frame) -> None:
     name = type(solver).__name__
     raise ValueError(
         f"`diffrax.HalfSolver(diffrax_linearize.{name}())`: `diffrax_linearize.{name}` "
-        "takes fixed steps only (`diffrax.ConstantStepSize` with `dt0`, or "
-        "`diffrax.StepTo`). `diffrax.HalfSolver` estimates the error of a step from its two "
-        "halves, but the Lévy areas sampled for a step and for its halves are not related "
-        "by Chen's relation, so that estimate, and any adaptive step sizes chosen from it, "
-        "would be wrong. Solve with fixed steps, without `diffrax.HalfSolver` (halve `dt0` "
-        "for the accuracy it would give); or, for commutative noise, use "
-        "`diffrax.HalfSolver(diffrax_linearize.ItoMilstein())` or "
-        "`diffrax.HalfSolver(diffrax_linearize.StratonovichMilstein())` with a "
-        "`diffrax.PIDController`."
+        "cannot be wrapped in `diffrax.HalfSolver`, which estimates the error of a step "
+        "from its two halves: the Lévy areas sampled for a step and for its halves are not "
+        "related by Chen's relation, so that estimate, and any adaptive step sizes chosen "
+        "from it, would be wrong. The solver has an error estimate of its own: pass it "
+        "unwrapped with the step-size controller, "
+        f"`diffrax.diffeqsolve(terms, diffrax_linearize.{name}(), ..., "
+        "stepsize_controller=diffrax.PIDController(rtol=..., atol=...))`, or solve with "
+        "fixed steps (`diffrax.ConstantStepSize`)."
     )
 
 
 class MilsteinCommon:
     """What every Milstein solver here shares: no solver state, strong order one, no
     order as an ODE solver, local linear interpolation, `func` evaluating the drift and
-    the diffusion, and a `step` around the solver's own `_y1(terms, t0, t1, y0, args)`.
-    Solvers with `fixed_steps_only` refuse to be wrapped in `diffrax.HalfSolver`."""
+    the diffusion, and a `step` around the solver's own `_y1(terms, t0, t1, y0, args)`
+    that returns the embedded error estimate of `_error_estimate`. Solvers with
+    `fixed_steps_only` (those that sample Lévy areas) refuse to be wrapped in
+    `diffrax.HalfSolver`."""
 
     interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
     fixed_steps_only: ClassVar[bool] = False
@@ -268,8 +342,11 @@ class MilsteinCommon:
         return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
 
     @abc.abstractmethod
-    def _y1(self, terms: _Terms, t0: _RealScalarLike, t1: _RealScalarLike, y0: _Y, args) -> _Y:
-        """The state at `t1` after one step from `y0` at `t0`."""
+    def _y1(
+        self, terms: _Terms, t0: _RealScalarLike, t1: _RealScalarLike, y0: _Y, args
+    ) -> tuple[_Y, _StepParts]:
+        """The state at `t1` after one step from `y0` at `t0`, and what its error
+        estimate needs."""
 
     def step(
         self,
@@ -284,11 +361,13 @@ class MilsteinCommon:
         del solver_state, made_jump
         if self.fixed_steps_only:
             _check_not_in_half_solver(self, sys._getframe(1))
-        y1 = self._y1(terms, t0, t1, y0, args)
-        return y1, None, dict(y0=y0, y1=y1), None, RESULTS.successful
+        y1, parts = self._y1(terms, t0, t1, y0, args)
+        # Under a constant step size nothing reads the estimate and the compiler drops it.
+        y_error = _error_estimate(terms, t1, y1, args, parts)
+        return y1, y_error, dict(y0=y0, y1=y1), None, RESULTS.successful
 
 
-class ItoMilstein(MilsteinCommon, AbstractItoSolver):
+class ItoMilstein(MilsteinCommon, AbstractAdaptiveSolver, AbstractItoSolver):
     r"""Milstein's method; Itô version. Converges to the Itô solution, with strong
     order 1 on commutative noise. Uses local linear interpolation for dense/ts output.
 
@@ -317,8 +396,26 @@ class ItoMilstein(MilsteinCommon, AbstractItoSolver):
     drift is a `diffrax.ODETerm`. It is a drop-in replacement for
     `diffrax.ItoMilstein`: same term structure, interpolation and orders, and the
     same result on the same Brownian path up to floating-point rounding. Unlike Diffrax
-    0.7.2's, it accepts PyTree-valued Brownian motions. For adaptive step sizes, wrap
-    it in `diffrax.HalfSolver`.
+    0.7.2's, it accepts PyTree-valued Brownian motions.
+
+    **Adaptive steps.** The step returns an embedded error estimate, the difference from
+    the stochastic trapezoidal (Heun) step that takes this step as its predictor:
+
+    $$E = \tfrac12 \big(f(t_1, y_1) - f(t_0, y_0)\big) \Delta t
+    + \tfrac12 \big(g(t_1, y_1) - g(t_0, y_0)\big) \Delta W
+    - \tfrac12 \sum_{j_1, j_2} (L^{j_1} g_{:, j_2}) \Delta W_{j_1} \Delta W_{j_2},$$
+
+    which is $O(h^{3/2})$: its terms are the leading local error terms of the step (the
+    mixed terms $L^j f$, $L^0 g$ and the triple term $L^{j_1} L^{j_2} g$), as in the
+    estimators of Julia's `RKMil` (Rackauckas & Nie 2017), which uses the drift part and
+    a bound on the triple term. One drift and one diffusion product more per step, and
+    nothing under a constant step size (the compiler drops what nobody reads). So
+    `diffrax.diffeqsolve(terms, solver, t0, t1, None, y0,
+    stepsize_controller=diffrax.PIDController(rtol=..., atol=...))` works, with
+    Diffrax's error order of `strong_order + 0.5 = 1.5`; the Brownian motion must be one
+    that can be re-queried on rejected steps, a `diffrax.VirtualBrownianTree` (Diffrax
+    refuses `diffrax.UnsafeBrownianPath` with adaptive step sizes). Wrapping it in
+    `diffrax.HalfSolver` works too, at three steps per step.
 
     Complex states and complex Brownian motions (real and imaginary parts independent,
     as Diffrax samples them) work: the result is that of `diffrax.ItoMilstein` on the
@@ -348,12 +445,12 @@ class ItoMilstein(MilsteinCommon, AbstractItoSolver):
         _check_flag(self, "check_commutativity")
 
     def _y1(self, terms, t0, t1, y0, args):
-        return _milstein_step(
+        return _milstein_parts(
             "ItoMilstein", True, self.check_commutativity, terms, t0, t1, y0, args
         )
 
 
-class StratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
+class StratonovichMilstein(MilsteinCommon, AbstractAdaptiveSolver, AbstractStratonovichSolver):
     r"""Milstein's method; Stratonovich version. Converges to the Stratonovich
     solution, with strong order 1 on commutative noise. Uses local linear
     interpolation for dense/ts output.
@@ -380,8 +477,26 @@ class StratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
     This should be called with `terms=MultiTerm(drift_term, diffusion_term)`, where the
     drift is a `diffrax.ODETerm`. It is a drop-in replacement for
     `diffrax.StratonovichMilstein`: same term structure, interpolation and orders,
-    and the same result on the same Brownian path up to floating-point rounding. For
-    adaptive step sizes, wrap it in `diffrax.HalfSolver`.
+    and the same result on the same Brownian path up to floating-point rounding.
+
+    **Adaptive steps.** The step returns an embedded error estimate, the difference from
+    the stochastic trapezoidal (Heun) step that takes this step as its predictor:
+
+    $$E = \tfrac12 \big(f(t_1, y_1) - f(t_0, y_0)\big) \Delta t
+    + \tfrac12 \big(g(t_1, y_1) - g(t_0, y_0)\big) \Delta W
+    - \tfrac12 \sum_{j_1, j_2} (L^{j_1} g_{:, j_2}) \Delta W_{j_1} \Delta W_{j_2},$$
+
+    which is $O(h^{3/2})$: its terms are the leading local error terms of the step (the
+    mixed terms $L^j f$, $L^0 g$ and the triple term $L^{j_1} L^{j_2} g$), as in the
+    estimators of Julia's `RKMil` (Rackauckas & Nie 2017), which uses the drift part and
+    a bound on the triple term. One drift and one diffusion product more per step, and
+    nothing under a constant step size (the compiler drops what nobody reads). So
+    `diffrax.diffeqsolve(terms, solver, t0, t1, None, y0,
+    stepsize_controller=diffrax.PIDController(rtol=..., atol=...))` works, with
+    Diffrax's error order of `strong_order + 0.5 = 1.5`; the Brownian motion must be one
+    that can be re-queried on rejected steps, a `diffrax.VirtualBrownianTree` (Diffrax
+    refuses `diffrax.UnsafeBrownianPath` with adaptive step sizes). Wrapping it in
+    `diffrax.HalfSolver` works too, at three steps per step.
     """
 
     check_commutativity: bool = eqx.field(default=False, static=True)
@@ -404,6 +519,6 @@ class StratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
         _check_flag(self, "check_commutativity")
 
     def _y1(self, terms, t0, t1, y0, args):
-        return _milstein_step(
+        return _milstein_parts(
             "StratonovichMilstein", False, self.check_commutativity, terms, t0, t1, y0, args
         )

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from diffrax import (
+    AbstractAdaptiveSolver,
     AbstractBrownianIncrement,
     AbstractItoSolver,
     AbstractStratonovichSolver,
@@ -28,7 +29,7 @@ from diffrax import (
 from .._levy_area import IteratedIntegrals
 from .._materialise import materialise
 from .._term import vf_derivative
-from .milstein import _RealScalarLike, _Y, MilsteinCommon
+from .milstein import _RealScalarLike, _StepParts, _Y, MilsteinCommon
 
 
 _Terms: TypeAlias = MultiTerm[
@@ -95,9 +96,9 @@ def _double_sum_jvp(diffusion, t0, y0, args, integrals):
     return jtu.tree_map(lambda x: jnp.sum(x, axis=0), outs)
 
 
-def _general_milstein_step(
+def _general_milstein_parts(
     name: str, ito: bool, method: ContractionMethod, terms: _Terms, t0, t1, y0, args
-) -> _Y:
+) -> tuple[_Y, _StepParts]:
     drift, diffusion = terms.terms
     dt = drift.contr(t0, t1)
     increment = _levy_increment(diffusion, t0, t1, name)
@@ -120,13 +121,25 @@ def _general_milstein_step(
     else:
         correction = _double_sum_jvp(diffusion, t0, y0, args, integrals)
     with jax.numpy_dtype_promotion("standard"):
-        return jtu.tree_map(
+        y1 = jtu.tree_map(
             lambda y, f, g, c: y + f + g + c.astype(jnp.result_type(y)),
             y0,
             f0_prod,
             g0_prod,
             correction,
         )
+    # Only the error estimate reads this: the symmetric double sum
+    # sum_{j1, j2} (L^{j1} g_{:, j2}) dW_{j1} dW_{j2}, one JVP (see `_error_estimate`).
+    direction = jtu.tree_map(lambda g, y: g.astype(jnp.result_type(y)), g0_prod, y0)
+    _, sym_prod = jax.jvp(lambda _y: diffusion.vf_prod(t0, _y, args, dW), (y0,), (direction,))
+    return y1, _StepParts(dt, dW, f0_prod, g0_prod, sym_prod)
+
+
+def _general_milstein_step(
+    name: str, ito: bool, method: ContractionMethod, terms: _Terms, t0, t1, y0, args
+) -> _Y:
+    y1, _ = _general_milstein_parts(name, ito, method, terms, t0, t1, y0, args)
+    return y1
 
 
 def _check_method(solver):
@@ -137,7 +150,7 @@ def _check_method(solver):
         )
 
 
-class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
+class GeneralItoMilstein(MilsteinCommon, AbstractAdaptiveSolver, AbstractItoSolver):
     r"""Milstein's method for general (non-commutative) noise; Itô version.
     Converges to the Itô solution with strong order one whatever the noise, by
     using the simulated iterated Itô integrals $I_{j_1 j_2}$ of each step. Uses local
@@ -159,10 +172,19 @@ class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
     [`diffrax_linearize.GridLevyAreaPath`][]) of shape `(m,)`: the solver asks it for
     `evaluate(t0, t1, use_levy=True)`, an [`diffrax_linearize.IteratedIntegrals`][].
     The strong order is one for any noise, provided the Lévy areas are accurate to
-    $O(h^{3/2})$ in $L^2$ (what `LevyAreaBrownianPath(bm, dt=dt)` chooses). Fixed steps
-    only: for adaptive steps the areas of a step that is halved are not Chen-consistent
-    with those of the halves, so wrapping the solver in `diffrax.HalfSolver` raises an
-    error.
+    $O(h^{3/2})$ in $L^2$ (what `LevyAreaBrownianPath(bm, dt=dt)` chooses, with `dt`
+    the largest step).
+
+    **Adaptive steps.** The step returns the embedded error estimate of
+    [`diffrax_linearize.ItoMilstein`][] (the difference from the stochastic trapezoidal
+    step, built on the symmetric part $\tfrac12 \Delta W \Delta W^\top$ of the iterated
+    integrals, one JVP more), so it can be passed unwrapped to
+    `diffrax.PIDController(rtol=..., atol=...)` with a `diffrax.VirtualBrownianTree`
+    inside the `LevyAreaBrownianPath`. The Lévy area of each step is sampled given its
+    increment only: the areas of a rejected step are forgotten, not carried over to the
+    steps that replace it (the increments are, through the tree's Brownian bridge).
+    Wrapping the solver in `diffrax.HalfSolver` raises an error: the areas of a step and
+    of its two halves are not Chen-consistent, so their difference is no error estimate.
 
     For example, with the non-commutative noise $g(y)_{:, j} = A_j y$:
 
@@ -220,12 +242,14 @@ class GeneralItoMilstein(MilsteinCommon, AbstractItoSolver):
         self.method = method
 
     def _y1(self, terms, t0, t1, y0, args):
-        return _general_milstein_step(
+        return _general_milstein_parts(
             "GeneralItoMilstein", True, self.method, terms, t0, t1, y0, args
         )
 
 
-class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
+class GeneralStratonovichMilstein(
+    MilsteinCommon, AbstractAdaptiveSolver, AbstractStratonovichSolver
+):
     r"""Milstein's method for general (non-commutative) noise; Stratonovich version.
     Converges to the Stratonovich solution with strong order one whatever the noise, by
     using the simulated iterated Stratonovich integrals
@@ -248,10 +272,19 @@ class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
     [`diffrax_linearize.GridLevyAreaPath`][]) of shape `(m,)`: the solver asks it for
     `evaluate(t0, t1, use_levy=True)`, an [`diffrax_linearize.IteratedIntegrals`][].
     The strong order is one for any noise, provided the Lévy areas are accurate to
-    $O(h^{3/2})$ in $L^2$ (what `LevyAreaBrownianPath(bm, dt=dt)` chooses). Fixed steps
-    only: for adaptive steps the areas of a step that is halved are not Chen-consistent
-    with those of the halves, so wrapping the solver in `diffrax.HalfSolver` raises an
-    error.
+    $O(h^{3/2})$ in $L^2$ (what `LevyAreaBrownianPath(bm, dt=dt)` chooses, with `dt`
+    the largest step).
+
+    **Adaptive steps.** The step returns the embedded error estimate of
+    [`diffrax_linearize.ItoMilstein`][] (the difference from the stochastic trapezoidal
+    step, built on the symmetric part $\tfrac12 \Delta W \Delta W^\top$ of the iterated
+    integrals, one JVP more), so it can be passed unwrapped to
+    `diffrax.PIDController(rtol=..., atol=...)` with a `diffrax.VirtualBrownianTree`
+    inside the `LevyAreaBrownianPath`. The Lévy area of each step is sampled given its
+    increment only: the areas of a rejected step are forgotten, not carried over to the
+    steps that replace it (the increments are, through the tree's Brownian bridge).
+    Wrapping the solver in `diffrax.HalfSolver` raises an error: the areas of a step and
+    of its two halves are not Chen-consistent, so their difference is no error estimate.
 
     Used exactly as in the example of [`diffrax_linearize.GeneralItoMilstein`][], with
     `solver = diffrax_linearize.GeneralStratonovichMilstein()`.
@@ -293,6 +326,6 @@ class GeneralStratonovichMilstein(MilsteinCommon, AbstractStratonovichSolver):
         self.method = method
 
     def _y1(self, terms, t0, t1, y0, args):
-        return _general_milstein_step(
+        return _general_milstein_parts(
             "GeneralStratonovichMilstein", False, self.method, terms, t0, t1, y0, args
         )
