@@ -426,11 +426,14 @@ def _diffsl(rhs, y0, large=None):
     L = _lap_matrix(n).tocoo()
     ents = ", ".join(f"({i}, {j}): {float(v)!r}" for i, j, v in zip(L.row, L.col, L.data))
     c = ", ".join(repr(float(v)) for v in bruss_y0(n))
+    # `F_i { L_ij * u_j + r_i }` in one expression integrated wrongly (58 s, mescd -0.3 at
+    # 16 x 16) though each term alone was right: DiffSL seems to contract j over the whole
+    # expression, adding r_i once per column. Hence the separate Lu_i.
     return (
         f"L_ij {{ {ents} }}\nc_i {{ {c} }}\nu_i {{ c_i }}\n"
         f"a_i {{ u_i[0:{m}] }}\nb_i {{ u_i[{m}:{2 * m}] }}\n"
         "F_i { 1.0 + a_i * a_i * b_i - 4.4 * a_i, 3.4 * a_i - a_i * a_i * b_i } \n"
-    ).replace("F_i { ", "r_i { ") + "F_i { L_ij * u_j + r_i }\n"
+    ).replace("F_i { ", "r_i { ") + "Lu_i { L_ij * u_j }\nF_i { Lu_i + r_i }\n"
 
 
 def _peer(method, rhs_np, y0, t1, rtol, atol, sparsity=None, band=None, large=None):
@@ -643,12 +646,8 @@ def run(quick: bool = False) -> list[dict]:
             atol=1e-13,
             jac_sparsity=sp,
         ).y[:, -1]  # noqa: E501
-        # Diffrax's dense default: 42 s at 16 x 16 on the busy 2-core machine. diffsol BDF, with
-        # this DiffSL model (sparse L_ij), took 58 s at 16 x 16 and was wrong (mescd -0.3):
-        # not yet understood, so not run here (issue 23 reports 0.079 s from another model).
+        # Diffrax's dense default: 42 s at 16 x 16 on the busy 2-core machine
         skip = {"diffrax default": "too slow at this size"} if quick or n > 16 else {}
-        bad = "DiffSL Brusselator model here gave 58 s and a wrong answer (mescd -0.3)"
-        skip.update({"diffsol BDF": bad, "diffsol ESDIRK34": bad})
         rows += _run_case(
             "brusselator_2d", n, brusselator_2d, bruss_np, y0, 1.0, ref, big_rtols, 1e-2,
             JAX_METHODS + PEERS, slow_s=5.0 if quick else 30.0, skip=skip, sparsity=sp,
