@@ -21,6 +21,7 @@ BENCHMARKS = {
     "squared-grads": "benchmarks.squared_grads",
     "work-precision": "benchmarks.work_precision",
     "ensemble": "benchmarks.ensemble",
+    "stiff-peers": "benchmarks.stiff_peers",
 }
 
 

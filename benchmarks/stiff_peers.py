@@ -1,0 +1,789 @@
+"""Stiff solvers against their peers: work-precision on the stiff IVP test set, Robertson x N
+and the 2D Brusselator. Float64; times are rough on a shared machine (ratios in one run).
+
+Problems and published reference end values: the Test Set for IVP Solvers (Bari; F. Mazzia
+and C. Magherini, release 2.4, https://archimede.uniba.it/~testset/), the `solut`
+subroutines of `hires.f`, `orego.f`, `pollu.f`, `rober.f` and `vdpol.f` (computed with
+RADAU5 in quadruple-like precision, uround 1.01e-19). Each is re-checked here against a tight
+scipy Radau solve (rtol 1e-12) in `self_check()`.
+
+Accuracy: the test set's mixed-error significant correct digits (as `printpr` of the
+test set's R port, deTestSet): `mescd = -log10(max_i |y_i - ref_i| / (atol/rtol + |ref_i|))`.
+Tolerances: atol = rtol, except ROBER where atol = 1e-4 rtol (deTestSet's `rober` defaults,
+rtol 1e-10 and atol 1e-14).
+
+Robertson x N: N identical systems, t in [0, 1e10] (diffsol's benchmark); the 2D Brusselator
+on a periodic n x n grid, t in [0, 1] (`benchmarks/structure.py`).
+
+Contenders: ours (`Kvaerno5(root_finder=dl.VeryChord())`, `... dl.Newton()`, and
+`dl.Rodas5P()` where the package has it), Diffrax's default `Kvaerno5()`, scipy BDF and Radau
+(with `jac_sparsity` on the large problems), and optional peers: SUNDIALS CVODE
+(scikit-sundae), diffsol (pydiffsol, BDF and ESDIRK34) and casadi (cvodes). A peer not
+installed gives a row saying so.
+
+`--quick` (a minute or two): HIRES and ROBER at rtol 1e-4 and 1e-6, Robertson x N for
+N in {1, 100} and the 16 x 16 Brusselator at rtol 1e-6; it writes `stiff_peers_quick-*` in
+`benchmarks/results/quick/` (or `$DIFFRAX_LINEARIZE_RESULTS`), the full sweep `stiff_peers-*`.
+CVODE's GMRES (no preconditioner) runs on the Brusselator only. A contender slower than
+`slow_s` at one tolerance is skipped at the tighter ones, with a row saying so. Times in the
+table are each contender's fastest run; ratios are ours / this contender's, same case.
+
+    python -m benchmarks stiff-peers [--quick]
+"""
+
+import argparse
+import math
+import time
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import scipy.integrate
+import scipy.sparse
+
+
+matplotlib.use("Agg")
+import diffrax_linearize as dl
+import matplotlib.pyplot as plt
+
+from benchmarks._common import (
+    fmt_ratio,
+    fmt_time,
+    markdown_table,
+    plot_path,
+    time_compiled_output,
+    write_results,
+)
+
+
+# ---- problems, written once for jnp, numpy, casadi and DiffSL strings ----------------------
+
+
+class _S:
+    """A DiffSL expression string under arithmetic (so one RHS serves every peer)."""
+
+    def __init__(self, s):
+        self.s = s
+
+    @staticmethod
+    def _w(x):
+        return x.s if isinstance(x, _S) else repr(float(x))
+
+    def __add__(self, o):
+        return _S(f"({self.s} + {_S._w(o)})")
+
+    def __radd__(self, o):
+        return _S(f"({_S._w(o)} + {self.s})")
+
+    def __sub__(self, o):
+        return _S(f"({self.s} - {_S._w(o)})")
+
+    def __rsub__(self, o):
+        return _S(f"({_S._w(o)} - {self.s})")
+
+    def __mul__(self, o):
+        return _S(f"({self.s} * {_S._w(o)})")
+
+    def __rmul__(self, o):
+        return _S(f"({_S._w(o)} * {self.s})")
+
+    def __truediv__(self, o):
+        return _S(f"({self.s} / {_S._w(o)})")
+
+    def __neg__(self):
+        return _S(f"(-{self.s})")
+
+    def __pow__(self, k):
+        return _S("(" + " * ".join([self.s] * int(k)) + ")")
+
+
+def hires(y):
+    k1, k2, k3, k4, k5, k6, k7, k8, k9, oks = (
+        1.71,
+        0.43,
+        8.32,
+        0.69,
+        0.035,
+        8.32,
+        280.0,
+        0.69,
+        0.69,
+        0.0007,
+    )  # noqa: E501
+    f7 = k7 * y[5] * y[7] - (k2 + k8 + k9) * y[6]
+    return [
+        -k1 * y[0] + k2 * y[1] + k6 * y[2] + oks,
+        k1 * y[0] - (k2 + k3) * y[1],
+        -(k6 + k1) * y[2] + k2 * y[3] + k5 * y[4],
+        k3 * y[1] + k1 * y[2] - (k4 + k2) * y[3],
+        -(k5 + k1) * y[4] + k2 * (y[5] + y[6]),
+        -k7 * y[5] * y[7] + k8 * y[3] + k1 * y[4] - k2 * y[5] + k8 * y[6],
+        f7,
+        -f7,
+    ]
+
+
+def orego(y):
+    return [
+        77.27 * (y[1] + y[0] * (1.0 - 8.375e-6 * y[0] - y[1])),
+        (y[2] - (1.0 + y[0]) * y[1]) / 77.27,
+        0.161 * (y[0] - y[2]),
+    ]
+
+
+def rober(y):
+    return [
+        -0.04 * y[0] + 1e4 * y[1] * y[2],
+        0.04 * y[0] - 1e4 * y[1] * y[2] - 3e7 * y[1] ** 2,
+        3e7 * y[1] ** 2,
+    ]
+
+
+def vdpol(y):
+    return [y[1], ((1 - y[0] ** 2) * y[1] - y[0]) / 1e-6]
+
+
+_POLLU_K = [
+    0.35,
+    26.6,
+    1.23e4,
+    8.6e-4,
+    8.2e-4,
+    1.5e4,
+    1.3e-4,
+    2.4e4,
+    1.65e4,
+    9e3,
+    0.022,
+    1.2e4,
+    1.88,
+    1.63e4,
+    4.8e6,
+    3.5e-4,
+    0.0175,
+    1e8,
+    4.44e11,
+    1240.0,
+    2.1,
+    5.78,
+    0.0474,
+    1780.0,
+    3.12,
+]  # noqa: E501
+
+
+def pollu(y):
+    k = _POLLU_K
+    r = [
+        k[0] * y[0], k[1] * y[1] * y[3], k[2] * y[4] * y[1], k[3] * y[6], k[4] * y[6],
+        k[5] * y[6] * y[5], k[6] * y[8], k[7] * y[8] * y[5], k[8] * y[10] * y[1],
+        k[9] * y[10] * y[0], k[10] * y[12], k[11] * y[9] * y[1], k[12] * y[13],
+        k[13] * y[0] * y[5], k[14] * y[2], k[15] * y[3], k[16] * y[3], k[17] * y[15],
+        k[18] * y[15], k[19] * y[16] * y[5], k[20] * y[18], k[21] * y[18],
+        k[22] * y[0] * y[3], k[23] * y[18] * y[0], k[24] * y[19],
+    ]  # fmt: skip
+    return [
+        -r[0] - r[9] - r[13] - r[22] - r[23] + r[1] + r[2] + r[8] + r[10] + r[11] + r[21] + r[24],
+        -r[1] - r[2] - r[8] - r[11] + r[0] + r[20],
+        -r[14] + r[0] + r[16] + r[18] + r[21],
+        -r[1] - r[15] - r[16] - r[22] + r[14],
+        -r[2] + r[3] + r[3] + r[5] + r[6] + r[12] + r[19],
+        -r[5] - r[7] - r[13] - r[19] + r[2] + r[17] + r[17],
+        -r[3] - r[4] - r[5] + r[12],
+        r[3] + r[4] + r[5] + r[6],
+        -r[6] - r[7],
+        -r[11] + r[6] + r[8],
+        -r[8] - r[9] + r[7] + r[10],
+        r[8],
+        -r[10] + r[9],
+        -r[12] + r[11],
+        r[13],
+        -r[17] - r[18] + r[15],
+        -r[19],
+        r[19],
+        -r[20] - r[21] - r[23] + r[22] + r[24],
+        -r[24] + r[23],
+    ]
+
+
+# name: (rhs, y0, t1, published reference at t1, atol / rtol)
+TEST_SET = {
+    "HIRES": (
+        hires,
+        [1.0, 0, 0, 0, 0, 0, 0, 0.0057],
+        321.8122,
+        [
+            0.7371312573325668e-3,
+            0.1442485726316185e-3,
+            0.5888729740967575e-4,
+            0.1175651343283149e-2,
+            0.2386356198831331e-2,
+            0.6238968252742796e-2,
+            0.2849998395185769e-2,
+            0.2850001604814231e-2,
+        ],
+        1.0,
+    ),  # noqa: E501
+    "OREGO": (
+        orego,
+        [1.0, 2.0, 3.0],
+        360.0,
+        [0.1000814870318523e1, 0.1228178521549917e4, 0.1320554942846706e3],
+        1.0,
+    ),  # noqa: E501
+    "POLLU": (
+        pollu,
+        [0, 0.2, 0, 0.04, 0, 0, 0.1, 0.3, 0.01, 0, 0, 0, 0, 0, 0, 0, 0.007, 0, 0, 0],
+        60.0,
+        [
+            0.5646255480022769e-1,
+            0.1342484130422339,
+            0.4139734331099427e-8,
+            0.5523140207484359e-2,
+            0.2018977262302196e-6,
+            0.1464541863493966e-6,
+            0.7784249118997964e-1,
+            0.3245075353396018,
+            0.7494013383880406e-2,
+            0.1622293157301561e-7,
+            0.1135863833257075e-7,
+            0.2230505975721359e-2,
+            0.2087162882798630e-3,
+            0.1396921016840158e-4,
+            0.8964884856898295e-2,
+            0.4352846369330103e-17,
+            0.6899219696263405e-2,
+            0.1007803037365946e-3,
+            0.1772146513969984e-5,
+            0.5682943292316392e-4,
+        ],
+        1.0,
+    ),  # noqa: E501
+    "ROBER": (
+        rober,
+        [1.0, 0.0, 0.0],
+        1e11,
+        [0.2083340149701255e-7, 0.8333360770334713e-13, 0.9999999791665050],
+        1e-4,
+    ),  # noqa: E501
+    "VDPOL": (vdpol, [2.0, 0.0], 2.0, [0.1706167732170483e1, -0.8928097010247975], 1.0),
+}
+
+
+def mescd(y, ref, rtol, atol) -> float:
+    y, ref = np.asarray(y, float), np.asarray(ref, float)
+    err = np.max(np.abs(y - ref) / (atol / rtol + np.abs(ref)))
+    return float(-np.log10(err)) if err > 0 else 16.0
+
+
+def self_check(rtol=1e-12):
+    """Published reference values against a tight scipy Radau solve: the digits they agree to."""
+    out = {}
+    for name, (rhs, y0, t1, ref, ratio) in TEST_SET.items():
+        sol = scipy.integrate.solve_ivp(
+            lambda t, y: np.array(rhs(y)), (0.0, t1), y0, method="Radau",
+            rtol=rtol, atol=rtol * ratio * 1e-2,
+        )  # fmt: skip
+        out[name] = mescd(sol.y[:, -1], ref, 1.0, ratio)
+        assert out[name] > 7, (name, out[name], sol.y[:, -1])
+    return out
+
+
+# ---- large problems ------------------------------------------------------------------------
+
+
+def rober_stack_np(y):
+    y = y.reshape(-1, 3)
+    d1 = -0.04 * y[:, 0] + 1e4 * y[:, 1] * y[:, 2]
+    d3 = 3e7 * y[:, 1] ** 2
+    return np.stack([d1, -d1 - d3, d3], 1).reshape(-1)
+
+
+def bruss_np(y):
+    n = math.isqrt(y.shape[0] // 2)
+    u, v = y.reshape(2, n, n)
+    a = 0.02 * (n - 1) ** 2
+
+    def lap(w):
+        return np.roll(w, 1, 0) + np.roll(w, -1, 0) + np.roll(w, 1, 1) + np.roll(w, -1, 1) - 4 * w
+
+    return np.stack(
+        [1 + u * u * v - 4.4 * u + a * lap(u), 3.4 * u - u * u * v + a * lap(v)]
+    ).ravel()
+
+
+def bruss_y0(n):
+    xs = np.linspace(0, 1, n)
+    X, Y = np.meshgrid(xs, xs)
+    return np.concatenate(
+        [(22 * (Y * (1 - Y)) ** 1.5).ravel(), (27 * (X * (1 - X)) ** 1.5).ravel()]
+    )
+
+
+def _lap_matrix(n):
+    e = scipy.sparse.identity(n, format="csr")
+    c = scipy.sparse.diags(
+        [1.0, 1.0, -2.0, 1.0, 1.0], [-n + 1, -1, 0, 1, n - 1], shape=(n, n), dtype=float
+    )
+    lap1 = scipy.sparse.kron(c, e) + scipy.sparse.kron(e, c)
+    return scipy.sparse.block_diag([lap1, lap1]).tocsr() * (0.02 * (n - 1) ** 2)
+
+
+def bruss_sparsity(n):
+    m = n * n
+    reac = scipy.sparse.bmat([[scipy.sparse.identity(m), scipy.sparse.identity(m)]] * 2)
+    return ((abs(_lap_matrix(n)) + reac) != 0).astype(float).tocsc()
+
+
+def rober_sparsity(N):
+    return scipy.sparse.block_diag([np.ones((3, 3))] * N).tocsc()
+
+
+# ---- contenders ----------------------------------------------------------------------------
+
+
+def _ours(name):
+    rodas = getattr(dl, "Rodas5P", None)
+    return {
+        "ours VeryChord": lambda: diffrax.Kvaerno5(root_finder=dl.VeryChord()),
+        "ours Newton": lambda: diffrax.Kvaerno5(root_finder=dl.Newton()),
+        "ours Rodas5P": (lambda: rodas()) if rodas is not None else None,
+        "diffrax default": lambda: diffrax.Kvaerno5(),
+    }[name]
+
+
+JAX_METHODS = ["ours VeryChord", "ours Newton", "ours Rodas5P", "diffrax default"]
+PEERS = [
+    "scipy BDF",
+    "scipy Radau",
+    "CVODE",
+    "CVODE GMRES",
+    "diffsol BDF",
+    "diffsol ESDIRK34",
+    "casadi cvodes",
+]  # noqa: E501
+
+
+def _jax_solve(make_solver, rhs_jnp, y0, t1, rtol, atol):
+    def fn(y0):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: rhs_jnp(y)), make_solver(), 0.0, t1, None, y0,
+            stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
+            max_steps=200_000, throw=False,
+        )  # fmt: skip
+        return (
+            sol.ys[-1],
+            sol.stats["num_accepted_steps"],
+            sol.stats["num_rejected_steps"],
+            sol.result._value,
+        )  # noqa: E501
+
+    (y, acc, rej, res), t = time_compiled_output(
+        fn, jnp.asarray(y0, jnp.float64), repeats=3, max_time=20.0
+    )  # noqa: E501
+    return np.asarray(y), {
+        **t,
+        "accepted_steps": int(acc),
+        "rejected_steps": int(rej),
+        "ok": int(res) == 0,
+    }  # noqa: E501
+
+
+def _time_py(fn, max_time=10.0):
+    times, out = [], None
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        r = fn()
+        times.append(time.perf_counter() - t0)
+        out = out if out is not None else r
+        if len(times) >= 3 or time.perf_counter() - start > max_time:
+            return out, {
+                "run_s": float(np.median(times)),
+                "run_min_s": min(times),
+                "repeats": len(times),
+            }  # noqa: E501
+
+
+def _diffsl(rhs, y0, large=None):
+    if large is None:
+        names = [f"y{i}" for i in range(len(y0))]
+        u = ",\n".join(f"{nm} = {float(v)!r}" for nm, v in zip(names, y0))
+        f = ",\n".join(_S._w(e) for e in rhs([_S(nm) for nm in names]))
+        return f"u_i {{\n{u}\n}}\nF_i {{\n{f}\n}}\n"
+    kind, size = large
+    if kind == "robertson":  # diffsol's own layout: all x, then all y, then all z
+        N = size
+        return (
+            f"u_i {{ (0:{N}): x = 1, ({N}:{2 * N}): y = 0, ({2 * N}:{3 * N}): z = 0 }}\n"
+            "F_i { -0.04 * x_i + 10000 * y_i * z_i,"
+            " 0.04 * x_i - 10000 * y_i * z_i - 30000000 * y_i * y_i, 30000000 * y_i * y_i }\n"
+        )
+    n = size
+    m = n * n
+    L = _lap_matrix(n).tocoo()
+    ents = ", ".join(f"({i}, {j}): {float(v)!r}" for i, j, v in zip(L.row, L.col, L.data))
+    c = ", ".join(repr(float(v)) for v in bruss_y0(n))
+    # `F_i { L_ij * u_j + r_i }` in one expression integrated wrongly (58 s, mescd -0.3 at
+    # 16 x 16) though each term alone was right: DiffSL seems to contract j over the whole
+    # expression, adding r_i once per column. Hence the separate Lu_i.
+    return (
+        f"L_ij {{ {ents} }}\nc_i {{ {c} }}\nu_i {{ c_i }}\n"
+        f"a_i {{ u_i[0:{m}] }}\nb_i {{ u_i[{m}:{2 * m}] }}\n"
+        "F_i { 1.0 + a_i * a_i * b_i - 4.4 * a_i, 3.4 * a_i - a_i * a_i * b_i } \n"
+    ).replace("F_i { ", "r_i { ") + "Lu_i { L_ij * u_j }\nF_i { Lu_i + r_i }\n"
+
+
+def _peer(method, rhs_np, y0, t1, rtol, atol, sparsity=None, band=None, large=None):
+    """`(y_end, info)` or `(None, {"note": ...})`."""
+    y0 = np.asarray(y0, float)
+    if method.startswith("scipy"):
+        kw = {"jac_sparsity": sparsity} if sparsity is not None else {}
+        meth = method.split()[1]
+
+        def fn():
+            return scipy.integrate.solve_ivp(
+                lambda t, y: rhs_np(y), (0.0, t1), y0, method=meth, rtol=rtol, atol=atol, **kw
+            )  # noqa: E501
+
+        sol, t = _time_py(fn)
+        return sol.y[:, -1], {**t, "accepted_steps": len(sol.t) - 1, "ok": bool(sol.success)}
+    if method.startswith("CVODE"):
+        try:
+            from sksundae.cvode import CVODE
+        except ImportError:
+            return None, {"note": "not installed (scikit-sundae)"}
+
+        def f(t, y, yp):
+            yp[:] = rhs_np(y)
+
+        opts = dict(rtol=rtol, atol=atol, max_num_steps=1_000_000)
+        if method == "CVODE GMRES":
+            if large is None or large[0] != "brusselator":
+                return None, {"note": "not run (unpreconditioned GMRES: Brusselator only)"}
+            opts.update(linsolver="gmres")
+        elif band is not None:
+            opts.update(linsolver="band", lband=band, uband=band)
+        elif sparsity is not None:
+            opts.update(linsolver="sparse", sparsity=sparsity)
+        solver = CVODE(f, **opts)
+        sol, t = _time_py(lambda: solver.solve(np.array([0.0, t1]), y0))
+        return sol.y[-1], {
+            **t,
+            "accepted_steps": len(sol.t) - 1,
+            "linsolver": opts.get("linsolver", "dense"),
+            "ok": bool(sol.success),
+        }  # noqa: E501
+    if method.startswith("diffsol"):
+        try:
+            import pydiffsol as ds
+        except ImportError:
+            return None, {"note": "not installed (pydiffsol)"}
+        t0 = time.perf_counter()
+        mt = ds.nalgebra_dense if len(y0) < 20 else ds.faer_sparse
+        ode = ds.Ode(
+            _diffsl(rhs_np.__dict__.get("sym", None), y0, large)
+            if False
+            else _diffsl(*_sym_args(rhs_np, y0, large)),
+            matrix_type=mt,
+        )  # noqa: E501
+        compile_s = time.perf_counter() - t0
+        ode.ode_solver = ds.bdf if method.endswith("BDF") else ds.esdirk34
+        ode.rtol, ode.atol = rtol, atol
+        sol, t = _time_py(lambda: ode.solve(np.array([]), t1))
+        y = sol.ys[:, -1]
+        if large is not None and large[0] == "robertson":
+            y = y.reshape(3, -1).T.reshape(-1)  # to the interleaved layout
+        return y, {**t, "compile_s": compile_s, "accepted_steps": len(sol.ts) - 1, "ok": True}
+    if method == "casadi cvodes":
+        try:
+            import casadi as ca
+        except ImportError:
+            return None, {"note": "not installed (casadi)"}
+        t0 = time.perf_counter()
+        x = ca.SX.sym("x", len(y0))
+        if large is None:
+            ode_expr = ca.vertcat(*rhs_np.sym([x[i] for i in range(len(y0))]))
+        elif large[0] == "robertson":
+            X = ca.reshape(x, 3, -1)
+            d1 = -0.04 * X[0, :] + 1e4 * X[1, :] * X[2, :]
+            d3 = 3e7 * X[1, :] ** 2
+            ode_expr = ca.reshape(ca.vertcat(d1, -d1 - d3, d3), -1, 1)
+        else:
+            L = _lap_matrix(large[1]).tocsc()
+            Ld = ca.DM(
+                ca.Sparsity(L.shape[0], L.shape[1], L.indptr.tolist(), L.indices.tolist()),
+                L.data.tolist(),
+            )  # noqa: E501
+            m = large[1] ** 2
+            a, b = x[:m], x[m:]
+            ode_expr = ca.mtimes(Ld, x) + ca.vertcat(1 + a * a * b - 4.4 * a, 3.4 * a - a * a * b)
+        F = ca.integrator(
+            "F",
+            "cvodes",
+            {"x": x, "ode": ode_expr},
+            0.0,
+            t1,
+            {"abstol": atol, "reltol": rtol, "max_num_steps": 1_000_000},
+        )  # noqa: E501
+        compile_s = time.perf_counter() - t0
+        out, t = _time_py(lambda: F(x0=y0))
+        st = F.stats()
+        return np.asarray(out["xf"]).ravel(), {
+            **t,
+            "compile_s": compile_s,
+            "accepted_steps": int(st["nsteps"]),
+            "ok": bool(st.get("success", True)),
+        }  # noqa: E501
+    raise ValueError(method)
+
+
+def _sym_args(rhs_np, y0, large):
+    return (getattr(rhs_np, "sym", None), y0, large)
+
+
+def _with_sym(rhs):
+    def f(y):
+        return np.array(rhs(y))
+
+    f.sym = rhs
+    return f
+
+
+# ---- runs ----------------------------------------------------------------------------------
+
+
+def _run_case(
+    problem, size, rhs_jnp, rhs_np, y0, t1, ref, rtols, ratio, methods, slow_s, skip=None, **kw
+):
+    """Every contender in `methods` at every rtol: a row with its time and digits, or a row
+    with a note (not installed, failed, skipped); `skip` maps contenders not run to the reason."""
+    rows, too_slow, skip = [], set(), skip or {}
+    for rtol in rtols:
+        atol = rtol * ratio
+        for method in methods:
+            base = {"problem": problem, "size": size, "rtol": rtol, "atol": atol, "method": method}
+            if method in skip:
+                rows.append({**base, "note": f"skipped: {skip[method]}"})
+                continue
+            if method in too_slow:
+                rows.append({**base, "note": f"skipped: slower than {slow_s} s at a looser rtol"})
+                continue
+            try:
+                if method in JAX_METHODS:
+                    make = _ours(method)
+                    if make is None:
+                        rows.append({**base, "note": "not in this diffrax_linearize"})
+                        continue
+                    y, info = _jax_solve(make, rhs_jnp, y0, t1, rtol, atol)
+                else:
+                    y, info = _peer(method, rhs_np, y0, t1, rtol, atol, **kw)
+            except Exception as e:  # a peer failing is a result, not a crash of the benchmark
+                y, info = None, {"note": f"failed: {type(e).__name__}: {str(e)[:200]}"}
+            if y is not None:
+                info["mescd"] = mescd(y, ref, rtol, atol)
+                if info.get("run_s", 0) > slow_s:
+                    too_slow.add(method)
+            rows.append({**base, **info})
+            print(
+                f"  {problem} {size} rtol={rtol:g} {method}: "
+                f"{info.get('run_s')} s, scd {info.get('mescd')}",
+                flush=True,
+            )  # noqa: E501
+    return rows
+
+
+def _rober_ref():
+    sol = scipy.integrate.solve_ivp(
+        lambda t, y: np.array(rober(y)),
+        (0, 1e10),
+        [1.0, 0, 0],
+        method="Radau",
+        rtol=1e-12,
+        atol=1e-22,
+    )  # noqa: E501
+    return sol.y[:, -1]
+
+
+def run(quick: bool = False) -> list[dict]:
+    jax.config.update("jax_enable_x64", True)
+    check = self_check()
+    print("published references against scipy Radau (rtol 1e-12), mescd:", check)
+    rtols = [1e-4, 1e-6] if quick else [1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10]
+    small_methods = JAX_METHODS + [m for m in PEERS if m != "CVODE GMRES"]
+    rows = []
+    for name, (rhs, y0, t1, ref, ratio) in TEST_SET.items():
+        if quick and name not in ("HIRES", "ROBER"):
+            continue
+        rows += _run_case(
+            name, len(y0), lambda y, r=rhs: jnp.stack(r(y)), _with_sym(rhs), y0, t1, ref,
+            rtols, ratio, small_methods, slow_s=5.0 if quick else 30.0,
+        )  # fmt: skip
+    big_rtols = [1e-6] if quick else [1e-4, 1e-6, 1e-8]
+    rref = _rober_ref()
+    from benchmarks.structure import brusselator_2d, robertson_stack
+
+    for N in [1, 100] if quick else [1, 10, 100, 1000, 10_000]:
+        # Diffrax's dense default: 25 s at N = 100 on the busy 2-core machine
+        skip = {"diffrax default": "too slow at this size"} if N > (1 if quick else 100) else {}
+        rows += _run_case(
+            "robertson", N, robertson_stack, rober_stack_np, np.tile([1.0, 0, 0], N), 1e10,
+            np.tile(rref, N), big_rtols, 1e-2, JAX_METHODS + PEERS,
+            slow_s=5.0 if quick else 30.0, skip=skip,
+            band=2, sparsity=rober_sparsity(N), large=("robertson", N),
+        )  # fmt: skip
+    for n in [16] if quick else [16, 32, 64]:
+        y0 = bruss_y0(n)
+        sp = bruss_sparsity(n)
+        ref = scipy.integrate.solve_ivp(
+            lambda t, y: bruss_np(y),
+            (0, 1),
+            y0,
+            method="BDF",
+            rtol=1e-11,
+            atol=1e-13,
+            jac_sparsity=sp,
+        ).y[:, -1]  # noqa: E501
+        # Diffrax's dense default: 42 s at 16 x 16 on the busy 2-core machine
+        skip = {"diffrax default": "too slow at this size"} if quick or n > 16 else {}
+        rows += _run_case(
+            "brusselator_2d", n, brusselator_2d, bruss_np, y0, 1.0, ref, big_rtols, 1e-2,
+            JAX_METHODS + PEERS, slow_s=5.0 if quick else 30.0, skip=skip, sparsity=sp,
+            large=("brusselator", n),
+        )  # fmt: skip
+    summary = _summary(rows)
+    table = markdown_table(summary, SUMMARY_COLUMNS)
+    extra = {
+        "quick": quick,
+        "note": "quick mode, busy shared machine: rough" if quick else "busy shared machine: rough",
+        "machine_note": "busy shared 2-core machine, rough timings (compare within this run)",
+        "peer_versions": _peer_versions(),
+        "reference_check_mescd": check,
+        "per_step": _per_step(rows),
+        "summary": summary,
+        "markdown_table": table,
+    }
+    path = write_results("stiff_peers_quick" if quick else "stiff_peers", rows, **extra)
+    print(table)
+    print(f"\nResults: {path}\nPlot: {plot(rows, quick)}")
+    return rows
+
+
+def _peer_versions():
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("scipy", "numpy", "scikit-sundae", "pydiffsol", "casadi"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _per_step(rows):
+    """Time per step at Robertson N = 1, rtol 1e-6: the fixed cost of each loop."""
+    out = {}
+    for r in rows:
+        if r["problem"] == "robertson" and r["size"] == 1 and r["rtol"] == 1e-6 and r.get("run_s"):
+            steps = r.get("accepted_steps", 0) + r.get("rejected_steps", 0)
+            if steps:
+                out[r["method"]] = {
+                    "run_s": r["run_s"],
+                    "steps": steps,
+                    "s_per_step": r["run_s"] / steps,
+                }  # noqa: E501
+    return out
+
+
+SUMMARY_COLUMNS = [
+    ("case", "case"), ("method", "method"), ("time", "time (fastest run)"), ("scd", "scd"),
+    ("steps", "steps (acc. + rej.; peers: acc.)"), ("vs_verychord", "ours VeryChord / this"),
+    ("vs_newton", "ours Newton / this"), ("note", "note"),
+]  # fmt: skip
+
+
+def _summary(rows):
+    """One row per case and contender: the fastest run, its significant correct digits (scd,
+    mescd), and the time ratios ours / this contender's (fastest runs, same case)."""
+    best = {
+        (r["problem"], r["size"], r["rtol"], r["method"]): r.get("run_min_s", r.get("run_s"))
+        for r in rows
+    }
+    out = []
+    for r in rows:
+        key = (r["problem"], r["size"], r["rtol"])
+        t = r.get("run_min_s", r.get("run_s"))
+        s = {
+            "case": f"{r['problem']} {r['size']}, rtol {r['rtol']:g}",
+            "method": r["method"],
+            "time": fmt_time(t) if t is not None else "—",
+            "scd": f"{r['mescd']:.1f}" if r.get("mescd") is not None else "—",
+            "note": r.get("note") or ("" if r.get("ok", True) else "solver reported failure"),
+        }
+        if "accepted_steps" in r:
+            rej = r.get("rejected_steps")
+            s["steps"] = (
+                f"{r['accepted_steps']} + {rej}" if rej is not None else f"{r['accepted_steps']}"
+            )
+        for col, ours in (("vs_verychord", "ours VeryChord"), ("vs_newton", "ours Newton")):
+            o = best.get((*key, ours))
+            s[col] = fmt_ratio(o / t) if o is not None and t else "—"
+        out.append(s)
+    return out
+
+
+def derive(data: dict) -> dict:
+    summary = _summary(data["rows"])
+    return dict(data, summary=summary, markdown_table=markdown_table(summary, SUMMARY_COLUMNS))
+
+
+def plot(rows, quick=False, out=None):
+    cases = list(dict.fromkeys((r["problem"], r["size"]) for r in rows))
+    ncol = 4
+    nrow = math.ceil(len(cases) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    for ax, (problem, size) in zip(axes.ravel(), cases):
+        for k, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
+            pts = sorted(
+                (r["mescd"], r.get("run_min_s", r["run_s"])) for r in rows
+                if (r["problem"], r["size"], r["method"]) == (problem, size, method) and r.get("mescd") is not None  # noqa: E501
+            )  # fmt: skip
+            if pts:
+                ax.semilogy(
+                    *zip(*pts),
+                    "o-" if method.startswith("ours") else "s--",
+                    label=method,
+                    ms=4,
+                    color=f"C{k % 10}" if k < 10 else "k",
+                )  # noqa: E501
+        ax.set_title(f"{problem} ({size})", fontsize=9)
+        ax.set_xlabel("significant correct digits (mescd)", fontsize=8)
+        ax.set_ylabel("time, fastest run (s)", fontsize=8)
+    for ax in axes.ravel()[len(cases) :]:
+        ax.axis("off")
+    handles = {}
+    for ax in axes.ravel()[: len(cases)]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    spare = axes.ravel()[len(cases) :]
+    (spare[0] if len(spare) else axes[0, 0]).legend(
+        handles.values(), handles.keys(), fontsize=7, loc="upper left"
+    )
+    fig.tight_layout()
+    path = out or plot_path("stiff_peers_quick" if quick else "stiff_peers")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    run(quick=parser.parse_args(argv).quick)
+
+
+if __name__ == "__main__":
+    main()
