@@ -37,6 +37,8 @@ TITLES = {
     "squared_grads": "Squared per-example gradients",
     "work_precision": "Work-precision on non-commutative noise",
     "ensemble": "Ensembles: throughput against devices and processes",
+    "stiff_peers": "Stiff ODEs against SUNDIALS, diffsol, casadi and scipy",
+    "stiff_peers_quick": "Stiff ODEs against SUNDIALS, diffsol, casadi and scipy (quick mode)",
 }
 
 
@@ -50,6 +52,8 @@ CASE_KEYS = {
     "squared_grads": ("model", "B", "method"),
     "work_precision": ("m", "method", "steps"),
     "ensemble": ("processes", "devices", "cores", "paths", "steps", "d"),
+    "stiff_peers": ("problem", "size", "rtol", "method"),
+    "stiff_peers_quick": ("problem", "size", "rtol", "method"),
 }
 
 
@@ -70,6 +74,14 @@ WHAT = {
     "gradient norms) in one backward pass, against per-example `vmap(grad)`.",
     "work_precision": "Cost per path against strong error on non-commutative noise (d = 8).",
     "ensemble": "`solve_ensemble` throughput: 256 SDE paths (d = 32), 1000 steps.",
+    "stiff_peers": "Stiff test-set problems (published end values), Robertson x N and the 2D "
+    "Brusselator: time (fastest run) against significant correct digits (scd, the test "
+    "set's mixed error) for ours, Diffrax's default, scipy and the optional peers; the "
+    "table shows rtol 1e-6, the JSON every tolerance.",
+    "stiff_peers_quick": "Stiff test-set problems (published end values), Robertson x N and the 2D "
+    "Brusselator: time (fastest run) against significant correct digits (scd, the test "
+    "set's mixed error) for ours, Diffrax's default, scipy and the optional peers; the "
+    "table shows rtol 1e-6, the JSON every tolerance.",
 }
 
 
@@ -145,6 +157,21 @@ def _ensemble(data: dict) -> list[str]:
         ("cpu_ratio", "CPU time / 1 core's"),
     ]
     return [markdown_table(data["rows"], columns), ""]
+
+
+def _stiff_peers(data: dict) -> list[str]:
+    rows = [r for r in data["summary"] if r["time"] != "—" and r["case"].endswith("rtol 1e-06")]
+    columns = [
+        ("case", "case"),
+        ("method", "method"),
+        ("time", "time (fastest run)"),
+        ("scd", "scd"),
+        ("steps", "steps (accepted + rejected; peers: accepted)"),
+        ("vs_verychord", "ours VeryChord / this"),
+        ("vs_newton", "ours Newton / this"),
+    ]
+    note = data.get("note")
+    return [markdown_table(rows, columns), ""] + ([f"{note}", ""] if note else [])
 
 
 def _materialise(data: dict) -> list[str]:
@@ -430,6 +457,8 @@ def _noisy(data: dict) -> dict:
 
 # Each benchmark's short table (at most eight columns), from one result file.
 SHORT = {
+    "stiff_peers": _stiff_peers,
+    "stiff_peers_quick": _stiff_peers,
     "adjoint": _adjoint,
     "ensemble": _ensemble,
     "materialise": _materialise,
