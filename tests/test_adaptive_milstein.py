@@ -143,7 +143,7 @@ def _one_step_errors(solver, vf, levy, n=48):
     "name",
     [
         "ItoMilstein",
-        "StratonovichMilstein",
+        pytest.param("StratonovichMilstein", marks=pytest.mark.slow),
         pytest.param("GeneralItoMilstein", marks=pytest.mark.slow),
         pytest.param("ImplicitItoMilstein", marks=pytest.mark.slow),
     ],
@@ -356,6 +356,7 @@ def test_backsolve_adjoint_with_pid_controller(solver):
     np.testing.assert_allclose(ours, ref, rtol=2e-2)
 
 
+@pytest.mark.slow  # 48 s on two busy cores; solve_ensemble's own tests cover the ensemble
 def test_solve_ensemble_with_pid_controller():
     # Each path adapts its own steps inside the vmap; the ensemble's paths are the
     # individual adaptive solves.
