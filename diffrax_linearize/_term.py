@@ -348,11 +348,19 @@ def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]
 
         s = sigma(y)
         return s * jacobian_diagonal(sigma, y).astype(s.dtype)
+    return _contract_derivative(term, t, y, args, lambda m, r, p: m)
+
+
+def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
+    """$\\sum_{j, k} (\\partial g_{i j} / \\partial y_k)\\, W_{k j}$ for the matrix
+    $W$ that `weight(g_rp, r, p)` gives per block (`g_rp` the block of the diffusion matrix
+    for state leaf `r` and control leaf `p`, shaped as that block): one contraction of the
+    structured derivative of the diffusion matrix with each block of $W$. With $W = g$ this
+    is `milstein_trace_term`; each stored entry of the derivative is read once."""
     matrix = jtu.tree_leaves(materialise(term, t, y, args))
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     y_leaves, y_tree = jtu.tree_flatten(y)
-    c_leaves = jtu.tree_leaves(control)
-    n_c = len(c_leaves)
+    n_c = len(jtu.tree_leaves(control_zeros(term, t)))
     out = []
     for q, yq in enumerate(y_leaves):
         total = jnp.zeros(jnp.shape(yq), jnp.result_type(yq))
@@ -363,11 +371,11 @@ def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]
                 if d is None:
                     continue
                 d = d.ell_to_plain()
-                m_rp = matrix[r * n_c + p]
+                w_rp = weight(matrix[r * n_c + p], r, p)
                 y_labels = d.out_labels[:nq]
                 c_labels = d.out_labels[nq:]
                 val, labels = contract(
-                    [(d.val, d.val_labels), (m_rp, tuple(d.in_labels) + tuple(c_labels))],
+                    [(d.val, d.val_labels), (w_rp, tuple(d.in_labels) + tuple(c_labels))],
                     y_labels,
                     d.sizes,
                 )
@@ -375,6 +383,32 @@ def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]
                 total = total + val.astype(total.dtype)
         out.append(total)
     return jtu.tree_unflatten(y_tree, out)
+
+
+def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
+    """$\\sum_{j_1, j_2} (L^{j_1} g_{:, j_2}) (\\Delta W_{j_1} \\Delta W_{j_2} -
+    \\delta_{j_1 j_2} \\Delta t)$, the double sum of the Itô Milstein step, where
+    `g_prod` is $g(y) \\Delta W$, or `None` where this is not cheaper than one JVP along
+    `g_prod` plus [`diffrax_linearize.milstein_trace_term`][] (additive, scalar, diagonal
+    or complex noise).
+
+    With $D_{i j k} = \\partial g_{i j} / \\partial y_k$ the sum is
+    $\\sum_{j, k} D_{i j k} \\big((g \\Delta W)_k \\Delta W_j - \\Delta t\\, g_{k j}\\big)$:
+    one contraction of the structured derivative with a matrix shaped like $g$, so each
+    stored entry of $D$ is read once (for $g(y) = A y$ one pass over $A$ instead of two)."""
+    if _is_complex(term, t, y, args):
+        return None
+    if _noise_structure(term, t, y, args, "diffrax_linearize.ItoMilstein") != "general":
+        return None
+    g_leaves = jtu.tree_leaves(g_prod)
+    dw_leaves = jtu.tree_leaves(dw)
+
+    def weight(g_rp, r, p):
+        with jax.numpy_dtype_promotion("standard"):
+            outer = jnp.multiply.outer(g_leaves[r], dw_leaves[p])
+            return (outer - dt * g_rp).astype(jnp.result_type(g_rp))
+
+    return _contract_derivative(term, t, y, args, weight)
 
 
 def commutativity_defect(term: diffrax.AbstractTerm, t, y, args) -> Array:

@@ -21,6 +21,7 @@ import jax.tree_util as jtu
 import lineax as lx
 import numpy as np
 import pytest
+from diffrax_linearize import _term as _term_module
 from diffrax_linearize._solver import milstein as milstein_module
 
 
@@ -288,6 +289,58 @@ def test_ito_trace_term_pytree():
     flat_y, _ = jfu.ravel_pytree(y)
     expected = _dense_trace(_vf_flat, flat_y, 3)
     got = milstein_module.ito_trace_term(diffusion, 0.3, y, None)
+    np.testing.assert_allclose(
+        jnp.concatenate([got["a"], got["b"]]), expected, rtol=1e-13, atol=1e-14
+    )
+
+
+def _dense_correction(vf, y, m, dw, dt):
+    """Reference for the Itô double sum: sum_{j1 j2} (L^{j1} g_{j2}) (dw_j1 dw_j2 - delta dt)
+    from the dense d x m x d Jacobian, term by term."""
+    g = lambda _y: jnp.reshape(vf(0.3, _y, None), (y.size, m))
+    jac = jax.jacfwd(g)(y)  # [i, j, k] = d g_ij / d y_k
+    lg = jnp.einsum("ijk,kl->ilj", jac, g(y))  # [i, j1, j2] = L^{j1} g_{i j2}
+    return jnp.einsum("iab,ab->i", lg, jnp.outer(dw, dw) - dt * jnp.eye(m))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+@pytest.mark.parametrize("name", ["diagonal_dense", "commuting_linear", "general_linear"])
+def test_ito_milstein_correction_against_jacfwd(name, dtype):
+    vf, shape = DIFFUSIONS[name]
+    m = int(np.prod(shape))
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4], dtype)
+    dw = jr.normal(jr.key(1), (m,), dtype)
+    dt = jnp.asarray(0.05, dtype)
+    g_prod = diffusion.prod(vf(0.3, y, None), dw)
+    got = _term_module.ito_milstein_correction(diffusion, 0.3, y, None, g_prod, dw, dt)
+    expected = _dense_correction(vf, y, m, dw, dt)
+    assert got.dtype == dtype
+    tol = 1e-12 if dtype == jnp.float64 else 1e-5
+    np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
+    assert np.max(np.abs(expected)) > 1e-2  # not a comparison of zeros
+
+
+@pytest.mark.parametrize("name", ["diagonal_lineax", "scalar_1", "additive"])
+def test_ito_milstein_correction_leaves_simple_noise_to_the_jvp(name):
+    # Additive, scalar and diagonal noise keep one JVP plus the trace term: no cheaper.
+    vf, shape = DIFFUSIONS[name]
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    dw = jnp.ones(shape)
+    g_prod = diffusion.prod(vf(0.3, y, None), dw)
+    assert _term_module.ito_milstein_correction(diffusion, 0.3, y, None, g_prod, dw, 0.1) is None
+
+
+def test_ito_milstein_correction_pytree():
+    diffusion = dfx.ControlTerm(_vf_tree, _DictBrownianPath(_vbt((3,), jr.key(0))))
+    y = {"a": jnp.array([0.8, -0.5]), "b": jnp.array([1.2, 0.3, -0.7])}
+    flat_dw = jnp.array([0.3, -0.8, 0.5])
+    dw = {"a": flat_dw[:2], "b": flat_dw[2:]}
+    g_prod = diffusion.prod(_vf_tree(0.3, y, None), dw)
+    got = _term_module.ito_milstein_correction(diffusion, 0.3, y, None, g_prod, dw, 0.1)
+    flat_y, _ = jfu.ravel_pytree(y)
+    expected = _dense_correction(_vf_flat, flat_y, 3, flat_dw, 0.1)
     np.testing.assert_allclose(
         jnp.concatenate([got["a"], got["b"]]), expected, rtol=1e-13, atol=1e-14
     )

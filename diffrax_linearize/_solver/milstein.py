@@ -29,7 +29,7 @@ from diffrax import (
 )
 from jaxtyping import ArrayLike, Bool, PyTree, Real, Scalar
 
-from .._term import milstein_trace_term
+from .._term import ito_milstein_correction, milstein_trace_term
 
 
 _RealScalarLike: TypeAlias = Real[ArrayLike, ""]
@@ -206,13 +206,26 @@ def _milstein_parts(
 
     # sum_{j1, j2} (L^{j1} g_{:, j2}) dw_{j1} dw_{j2}: the derivative of y -> g(y) dw in
     # the direction g(y0) dw. One JVP, whatever the structure of the diffusion.
-    _, sym_prod = jax.jvp(lambda _y: diffusion.vf_prod(t0, _y, args, dw), (y0,), (g0_prod,))
-    v0_prod = sym_prod
+    correction = None
     if ito:
-        # dw_{j1} dw_{j2} - delta_{j1 j2} dt: remove the diagonal dt part.
+        # For general noise, the whole Itô double sum in one contraction of the structured
+        # derivative of the diffusion (each stored entry read once).
+        correction = ito_milstein_correction(diffusion, t0, y0, args, g0_prod, dw, dt)
+    if correction is None:
+        _, sym_prod = jax.jvp(lambda _y: diffusion.vf_prod(t0, _y, args, dw), (y0,), (g0_prod,))
+        v0_prod = sym_prod
+        if ito:
+            # dw_{j1} dw_{j2} - delta_{j1 j2} dt: remove the diagonal dt part.
+            trace = ito_trace_term(diffusion, t0, y0, args)
+            with jax.numpy_dtype_promotion("standard"):
+                v0_prod = jtu.tree_map(lambda v, tr: v - dt * tr, v0_prod, trace)
+    else:
+        v0_prod = correction
+        # Only the error estimate needs the symmetric sum on its own: under a constant step
+        # size the compiler drops this.
         trace = ito_trace_term(diffusion, t0, y0, args)
         with jax.numpy_dtype_promotion("standard"):
-            v0_prod = jtu.tree_map(lambda v, tr: v - dt * tr, v0_prod, trace)
+            sym_prod = jtu.tree_map(lambda v, tr: v + dt * tr, v0_prod, trace)
 
     with jax.numpy_dtype_promotion("standard"):
         y1 = jtu.tree_map(lambda y, f, g, v: y + f + g + 0.5 * v, y0, f0_prod, g0_prod, v0_prod)
