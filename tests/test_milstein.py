@@ -318,7 +318,7 @@ def test_ito_milstein_correction_against_jacfwd(name, dtype):
     assert got.dtype == dtype
     tol = 1e-12 if dtype == jnp.float64 else 1e-5
     np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
-    assert np.max(np.abs(expected)) > 1e-2  # not a comparison of zeros
+    assert np.max(np.abs(expected)) > 1e-3  # not a comparison of zeros
 
 
 @pytest.mark.parametrize("name", ["diagonal_lineax", "scalar_1", "additive"])
