@@ -310,7 +310,12 @@ def test_saveat_errors_name_what_was_asked():
 
 @pytest.mark.parametrize(
     "solver",
-    [diffrax.SPaRK(), pytest.param(diffrax.GeneralShARK(), marks=pytest.mark.slow)],
+    # Both slow (20 s and more on two idle cores): the reversed-time backward pass is also
+    # checked by the Milstein adjoint tests of the default run.
+    [
+        pytest.param(diffrax.SPaRK(), marks=pytest.mark.slow),
+        pytest.param(diffrax.GeneralShARK(), marks=pytest.mark.slow),
+    ],
     ids=lambda s: type(s).__name__,
 )
 def test_srk_ode_gradient(solver):

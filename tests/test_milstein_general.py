@@ -213,7 +213,11 @@ def test_method_checked_at_construction():
     [diffrax.PIDController(rtol=1e-3, atol=1e-3), diffrax.ConstantStepSize()],
     ids=["pid", "constant"],
 )
-@pytest.mark.parametrize("cls", [dl.GeneralItoMilstein, dl.GeneralStratonovichMilstein])
+@pytest.mark.parametrize(
+    "cls",
+    # The check is shared code: the second class is slow (each case compiles a solve).
+    [dl.GeneralItoMilstein, pytest.param(dl.GeneralStratonovichMilstein, marks=pytest.mark.slow)],
+)
 def test_half_solver_rejected(getkey, cls, controller):
     # Documented as fixed-step only: `HalfSolver` used to run silently with a PID controller.
     bm = dl.LevyAreaBrownianPath(
