@@ -29,7 +29,7 @@ lint: $(STAMP)
 # random programs, second solvers of a check, the costlier strong-order fits and adjoints.
 TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m slow
