@@ -105,8 +105,12 @@ def _update(solver, y, fx, jac, linear_state, state: _ChordState):
 def _terminate(solver, state: _ChordState):
     linsolve_fail = state.result != optx.RESULTS.successful
     if solver.cauchy_termination:
-        # The last update is within the tolerances: atol + rtol |y|, in `norm`.
-        converged = (state.step >= 1) & (state.diffsize < 1)
+        # The last update is within `kappa` times the tolerances (atol + rtol |y|, in
+        # `norm`): the stage equations are then solved well inside the error the step-size
+        # controller allows the step (Hairer & Wanner, Solving ODEs II, IV.8: kappa Tol).
+        # Within the tolerances alone, the iterate's error is as large as the step's: Newton
+        # gave 0.7 fewer correct digits on HIRES at rtol 1e-4 (4.0 against 4.7).
+        converged = (state.step >= 1) & (state.diffsize < solver.kappa)
         diverged = (state.step >= 1) & jnp.invert(jnp.isfinite(state.diffsize))
         result = optx.RESULTS.where(
             diverged, optx.RESULTS.nonlinear_divergence, optx.RESULTS.successful
@@ -186,14 +190,17 @@ class VeryChord(optx.AbstractRootFinder):
             By default they are taken from the step-size controller, as for Diffrax's
             default root finder (`diffrax.with_stepsize_controller_tols`); pass all three
             for a fixed step size.
-        - `kappa`: the tolerance of the early convergence check, as in `diffrax.VeryChord`.
+        - `kappa`: the tolerance of the convergence tests, as a fraction of the
+            tolerances: that of the rate test as in `diffrax.VeryChord`, and the bound on
+            the last update of the Cauchy test.
         - `linear_solver`: the linear solver for the Newton step. Defaults to
             [`diffrax_linearize.StructuredLinearSolver`][].
         - `cauchy_termination`: `False` (the default) terminates as `diffrax.VeryChord`
             does, by the estimated rate of convergence (with the termination fixed as
             above, so fewer rejected steps than Diffrax 0.7.2's default). `True`
-            terminates as soon as an update is within the tolerances, the test
-            `optimistix.Chord` uses by default: robust where the
+            terminates as soon as an update is within `kappa` times the tolerances (the
+            test `optimistix.Chord` uses by default, there within the tolerances): robust
+            where the
             first iterate is already converged (fixed steps), where the rate test can
             report divergence.
         """
@@ -270,12 +277,16 @@ class Newton(optx.AbstractRootFinder):
             By default they are taken from the step-size controller, as for Diffrax's
             default root finder (`diffrax.with_stepsize_controller_tols`); pass all three
             for a fixed step size.
-        - `kappa`: the tolerance of the rate-of-convergence test.
+        - `kappa`: the tolerance of the convergence tests, as a fraction of the
+            tolerances (as Hairer and Wanner's $\\kappa\\,\\mathrm{Tol}$ for the stage
+            equations of an implicit Runge-Kutta step).
         - `linear_solver`: the linear solver for the Newton step. Defaults to
             [`diffrax_linearize.StructuredLinearSolver`][].
-        - `cauchy_termination`: `True` (the default, as `optimistix.Newton`) terminates as
-            soon as an update is within the tolerances; `False` by the estimated rate of
-            convergence, as [`diffrax_linearize.VeryChord`][] does by default.
+        - `cauchy_termination`: `True` (the default) terminates as soon as an update is
+            within `kappa` times the tolerances (`optimistix.Newton` stops within the
+            tolerances themselves, which leaves the stage equations solved only as well as
+            the step's error is controlled); `False` by the estimated rate of convergence,
+            as [`diffrax_linearize.VeryChord`][] does by default.
         """
         self.rtol = rtol
         self.atol = atol

@@ -96,6 +96,19 @@ def test_chord_iterates_past_two_steps(root_finder):
         assert sol.stats["num_steps"] > 2
 
 
+@pytest.mark.parametrize("kappa", [1e-2, 1e-1])
+def test_newton_solves_within_kappa_of_the_tolerance(kappa):
+    """At a double root Newton converges linearly, each update half the error before it:
+    stopping once an update is within the tolerance leaves an error as large as the
+    tolerance. The update must be within `kappa` times it (the stage equations of an
+    implicit step solved well inside the step's error): then so is the error."""
+    atol = 1e-6
+    solver = dl.Newton(rtol=0.0, atol=atol, norm=optx.max_norm, kappa=kappa)
+    sol = optx.root_find(lambda y, args: y**2, solver, jnp.array(1.0), max_steps=100)
+    # The root is 0: the value is the error, and the last update was the error as well.
+    assert 0 < float(sol.value) <= kappa * atol
+
+
 def test_very_chord_terminates_as_upstream(monkeypatch):
     """Diffrax's `test_solver.py::test_implicit_euler_adaptive` problem, a fixed step of 1
     on `y' = -10 y^3`, where the chord iteration converges (rate about 0.8) but not in the
