@@ -573,13 +573,23 @@ def _ensemble_figures() -> dict[str, str]:
     rows = json.loads(paths[0].read_text())["rows"] if paths else []
     if not rows or "processes" not in rows[0]:
         missing = "not measured yet: run `python -m benchmarks.ensemble` on an idle machine"
-        return {"ensemble-summary": missing, "ensemble-table": f"\n\n({missing}.)\n\n"}
+        return {
+            "ensemble-summary": missing,
+            "ensemble-table": f"\n\n({missing}.)\n\n",
+            "ensemble-per-path-step": f"({missing})",
+            "ensemble-10k-paths": f"({missing})",
+        }
     data = json.loads(paths[0].read_text())
     table = ensemble.table(rows)
     source = f"`benchmarks/results/{paths[0].name}`; {_machine_line(data['machine'])}."
+    # The one-core baseline's cost per path and step (median), for the guide's sense of scale.
+    (base,) = [r for r in rows if (r["processes"], r["devices"], r["cores"]) == (1, 1, 1)]
+    per_step = base["run_s"] / (base["paths"] * base["steps"])
     return {
         "ensemble-summary": ensemble.summary(rows),
         "ensemble-table": f"\n\n{table}\n\nFrom {source}\n\n",
+        "ensemble-per-path-step": _fmt3(per_step),
+        "ensemble-10k-paths": _fmt3(per_step * 10_000 * 1_000),
     }
 
 
