@@ -1,8 +1,10 @@
 """Shared timing, result-writing and plotting helpers for the benchmark scripts.
 
-Every benchmark reports compile time separately from run time, takes the median of
-repeats, and writes `benchmarks/results/<name>-<platform>-<device>.json` (with the
-versions and machine it ran on) and a PNG plot beside it.
+Every benchmark reports compile time separately from run time, times its contenders
+interleaved ([`time_contenders`][]) and compares their fastest rounds, with the spread
+(median and slowest round) beside them, and writes
+`benchmarks/results/<name>-<platform>-<device>.json` (with the versions and machine it ran
+on) and a PNG plot beside it.
 """
 
 import datetime
@@ -141,9 +143,16 @@ def result_stem(name: str) -> str:
 
 
 def write_results(name: str, rows: Sequence[dict], **extra) -> pathlib.Path:
-    """Write rows and the machine description to `benchmarks/results/`. Returns the path."""
+    """Write rows and the machine description to `benchmarks/results/`. Returns the path.
+
+    A note on the state of the machine (`"busy shared 2-core machine: rough"`), from the
+    environment variable `DIFFRAX_LINEARIZE_MACHINE_NOTE`, is recorded as `machine_note`
+    (unless `extra` has one)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{result_stem(name)}.json"
+    note = os.environ.get("DIFFRAX_LINEARIZE_MACHINE_NOTE")
+    if note and "machine_note" not in extra:
+        extra = {**extra, "machine_note": note}
     payload = {"benchmark": name, "machine": machine(), **extra, "rows": list(rows)}
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     return path

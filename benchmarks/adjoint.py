@@ -3,8 +3,10 @@ and `diffrax.RecursiveCheckpointAdjoint`.
 
 `jax.value_and_grad` of `sum(y(1)**2)` with respect to `y0` and the diffusion's parameter
 `G`, for the SDE $dy = -\\theta y\\,dt + g(y) \\circ dW$ with $g_{ij} = y_i G_{ij}$ (d = m),
-over `steps` constant steps, float32. Reports run time (median, compile excluded) and
-XLA's scratch memory, also at twice the steps: the backsolve adjoints need O(1) memory in
+over `steps` constant steps, float32. The adjoints of a solver and size are timed
+interleaved (round-robin); reports the fastest round with the spread (compile excluded),
+every ratio ours over the other's of the fastest rounds, and XLA's scratch memory, also at
+twice the steps: the backsolve adjoints need O(1) memory in
 the number of steps, checkpointing (with `max_steps` = the number of steps) O(steps).
 Diffrax's backsolve does not support `StratonovichMilstein` (its terms are a `MultiTerm`):
 those rows say so.
@@ -21,7 +23,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._common import markdown_table, memory_scratch_bytes, plot_path, time_compiled, write_results
+from ._common import (
+    fmt_spread,
+    markdown_table,
+    memory_scratch_bytes,
+    plot_path,
+    time_contenders,
+    write_results,
+)
 
 
 class _Diffusion(eqx.Module):
@@ -72,21 +81,27 @@ _ADJOINTS = {
 }
 
 
-def _measure(solver_name: str, adjoint_name: str, d: int, steps: int, max_time: float) -> dict:
-    row = dict(solver=solver_name, adjoint=adjoint_name, d=d, steps=steps)
-    fn, args = _problem(d, _SOLVERS[solver_name](), _ADJOINTS[adjoint_name](), steps)
-    try:
-        jax.eval_shape(fn, *args)
-    except Exception as e:  # diffrax's backsolve rejects MultiTerm solvers
-        row["note"] = f"unsupported: {type(e).__name__}"
-        return row
-    timing = time_compiled(fn, *args, repeats=3, min_time=0.0, max_time=max_time)
-    row.update(timing)
-    row["scratch_MiB"] = memory_scratch_bytes(fn, *args) / 2**20
-    fn2, args2 = _problem(d, _SOLVERS[solver_name](), _ADJOINTS[adjoint_name](), 2 * steps)
-    mem2 = memory_scratch_bytes(fn2, *args2)
-    row["scratch_2x_MiB"] = mem2 / 2**20
-    return row
+def _measure(solver_name: str, d: int, steps: int, max_time: float) -> list[dict]:
+    """The rows of each adjoint for `solver_name` at size `d`, timed interleaved."""
+    rows, contenders = {}, {}
+    for adjoint_name, adjoint in _ADJOINTS.items():
+        row = dict(solver=solver_name, adjoint=adjoint_name, d=d, steps=steps)
+        rows[adjoint_name] = row
+        fn, args = _problem(d, _SOLVERS[solver_name](), adjoint(), steps)
+        try:
+            jax.eval_shape(fn, *args)
+        except Exception as e:  # diffrax's backsolve rejects MultiTerm solvers
+            row["note"] = f"unsupported: {type(e).__name__}"
+            continue
+        contenders[adjoint_name] = (fn, args)
+    timings = time_contenders(contenders, repeats=5, max_time=max_time)
+    for adjoint_name, (fn, args) in contenders.items():
+        row = rows[adjoint_name]
+        row.update(timings[adjoint_name])
+        row["scratch_MiB"] = memory_scratch_bytes(fn, *args) / 2**20
+        fn2, args2 = _problem(d, _SOLVERS[solver_name](), _ADJOINTS[adjoint_name](), 2 * steps)
+        row["scratch_2x_MiB"] = memory_scratch_bytes(fn2, *args2) / 2**20
+    return list(rows.values())
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -95,8 +110,7 @@ def run(quick: bool = False) -> list[dict]:
     rows = []
     for d in sizes:
         for solver_name in _SOLVERS:
-            for adjoint_name in _ADJOINTS:
-                row = _measure(solver_name, adjoint_name, d, steps, max_time=5.0 if quick else 20.0)
+            for row in _measure(solver_name, d, steps, max_time=5.0 if quick else 20.0):
                 rows.append(row)
                 print(row, file=sys.stderr, flush=True)
     rows = derive({"rows": rows})["rows"]
@@ -104,7 +118,7 @@ def run(quick: bool = False) -> list[dict]:
         ("solver", "solver"),
         ("adjoint", "adjoint"),
         ("d", "d = m"),
-        ("run_s", "run"),
+        ("run", "run (fastest, +median spread)"),
         ("compile_s", "compile"),
         ("scratch_MiB", "scratch MiB (100 steps)"),
         ("scratch_2x_MiB", "scratch MiB (200 steps)"),
@@ -112,8 +126,24 @@ def run(quick: bool = False) -> list[dict]:
         ("ours_over_checkpoint", "ours / checkpoint"),
         ("note", "note"),
     ]
-    print(markdown_table(rows, columns))
-    print(f"\nresults: {write_results('adjoint', rows, steps=steps, dtype='float32')}")
+    print(
+        markdown_table(
+            [dict(r, run=fmt_spread(r) if "run_s" in r else None) for r in rows], columns
+        )
+    )
+    path = write_results(
+        "adjoint",
+        rows,
+        steps=steps,
+        dtype="float32",
+        note=(
+            "The adjoints of each solver and size timed interleaved (round-robin) after "
+            "compiling: `run_min_s` is the fastest round, `run_s` the median and `run_max_s` "
+            "the slowest (the spread). `ours_over_diffrax` and `ours_over_checkpoint` are "
+            "ratios of the fastest rounds, ours over the other's."
+        ),
+    )
+    print(f"\nresults: {path}")
     plot(rows)
     return rows
 
@@ -123,8 +153,8 @@ RATIOS = {"diffrax backsolve": "ours_over_diffrax", "checkpoint": "ours_over_che
 
 
 def derive(data: dict) -> dict:
-    """`data` with its ratios (our run time over each other adjoint's, per `d` and solver)
-    recomputed from its timings."""
+    """`data` with its ratios (our fastest round over each other adjoint's, per `d` and
+    solver) recomputed from its timings."""
     rows = [{k: v for k, v in r.items() if k not in RATIOS.values()} for r in data["rows"]]
     for row in rows:
         if row["adjoint"] != "ours" or "run_s" not in row:
@@ -133,7 +163,7 @@ def derive(data: dict) -> dict:
             key = RATIOS.get(other["adjoint"])
             if key and (other["d"], other["solver"]) == (row["d"], row["solver"]):
                 if "run_s" in other:
-                    row[key] = row["run_s"] / other["run_s"]
+                    row[key] = row["run_min_s"] / other["run_min_s"]
     return dict(data, rows=rows)
 
 
@@ -156,7 +186,7 @@ def plot(rows: list[dict], out=None) -> None:
                     r for r in rows if (r["d"], r["solver"], r["adjoint"]) == (d, s, adjoint_name)
                 ]
                 r = match[0] if match else {}
-                times.append(r.get("run_s", float("nan")) * 1e3)
+                times.append(r.get("run_min_s", float("nan")) * 1e3)
                 mems.append(
                     r.get("scratch_2x_MiB", float("nan")) / max(r.get("scratch_MiB", 1.0), 1e-9)
                 )
@@ -166,7 +196,7 @@ def plot(rows: list[dict], out=None) -> None:
     for ax in axes:
         ax.set_xticks([i + width for i in range(len(labels))], labels, fontsize=7)
     axes[0].set_yscale("log")
-    axes[0].set_ylabel("value_and_grad, 100 steps (ms)")
+    axes[0].set_ylabel("value_and_grad, 100 steps, fastest round (ms)")
     axes[1].set_ylabel("scratch memory, 200 steps / 100 steps")
     axes[0].legend(fontsize=8)
     fig.suptitle("Backsolve adjoints (missing bars: unsupported)")

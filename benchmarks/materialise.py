@@ -34,7 +34,15 @@ matplotlib.use("Agg")
 import diffrax_linearize as dl
 import matplotlib.pyplot as plt
 
-from benchmarks._common import block, markdown_table, plot_path, time_compiled, write_results
+from benchmarks._common import (
+    block,
+    fmt_spread,
+    markdown_table,
+    plot_path,
+    summarise_times,
+    time_contenders,
+    write_results,
+)
 
 
 def _matrix(n, seed):
@@ -126,8 +134,10 @@ def _layer_rows():
     for name, layer, shape in _layers():
         x = jnp.asarray(np.random.RandomState(3).randn(*shape), jnp.float32)
         params, methods = _layer_methods(layer, x)
-        for (wrt, method), fn in methods.items():
-            t = time_compiled(fn, x, params, repeats=21)
+        timings = time_contenders(
+            {key: (fn, (x, params)) for key, fn in methods.items()}, repeats=21, min_time=0.2
+        )
+        for (wrt, method), t in timings.items():
             rows.append({"problem": f"{name} wrt {wrt}", "N": x.size, "method": method, **t})
         for wrt in ("input", "params"):  # the timed programs agree
             a = jax.jit(methods[(wrt, "ours")])(x, params)
@@ -138,30 +148,48 @@ def _layer_rows():
 
 
 def _repeats(n):
-    return 7 if n <= 1000 else 3
+    return 15 if n <= 1000 else 5
+
+
+# Each first call is timed this many times, ours and `jax.jit(jax.jacfwd)` alternately,
+# each at a size of its own (N, N + 1, ...), so that no call finds a warm cache.
+FIRST_CALL_ROUNDS = 3
 
 
 def _first_call(n):
     """The first un-jitted call with `A` closed over: ours against the first call of
-    `jax.jit(jax.jacfwd(f))`. A fresh matrix and a shape seen nowhere else, so that no cache
-    is warm."""
-    A = _matrix(n, 7)
-    x = jnp.ones((n,), jnp.float32)
-    block(A)
-    t0 = time.perf_counter()
-    ours = block(dl.materialise(lambda x: A @ x, x))
-    ours_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ref = block(jax.jit(jax.jacfwd(lambda x: A @ x))(x))
-    ref_s = time.perf_counter() - t0
-    bitwise = bool(np.array_equal(np.asarray(ours), np.asarray(A)))
-    close = bool(np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-4, atol=1e-5))
+    `jax.jit(jax.jacfwd(f))`, interleaved over [`FIRST_CALL_ROUNDS`][] rounds. Each round
+    takes a fresh matrix and a shape seen nowhere else (N, N + 1, ...), so that no cache is
+    warm; the fastest round is the figure to compare, as for the compiled timings."""
+    ours_times, ref_times, bitwise, close = [], [], True, True
+    for k in range(FIRST_CALL_ROUNDS):
+        A = _matrix(n + k, 7 + k)
+        x = jnp.ones((n + k,), jnp.float32)
+        block(A)
+        t0 = time.perf_counter()
+        ours = block(dl.materialise(lambda x: A @ x, x))
+        ours_times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ref = block(jax.jit(jax.jacfwd(lambda x: A @ x))(x))
+        ref_times.append(time.perf_counter() - t0)
+        bitwise &= bool(np.array_equal(np.asarray(ours), np.asarray(A)))
+        close &= bool(np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-4, atol=1e-5))
+
+    def timing(times):
+        summary = summarise_times(times)
+        return {
+            "first_s": summary["run_min_s"],
+            "first_median_s": summary["run_s"],
+            "first_max_s": summary["run_max_s"],
+            "rounds": len(times),
+        }
+
     return [
         {
             "problem": "first call A @ x",
             "N": n,
             "method": "ours (eager)",
-            "first_s": ours_s,
+            **timing(ours_times),
             "bitwise_equal": bitwise,
             "matches_jacfwd": close,
         },
@@ -169,7 +197,7 @@ def _first_call(n):
             "problem": "first call A @ x",
             "N": n,
             "method": "jax.jit(jax.jacfwd) first call",
-            "first_s": ref_s,
+            **timing(ref_times),
         },
     ]
 
@@ -179,10 +207,15 @@ def _seed_rows(n):
     compiled and run, `jax.jacfwd` against ours, and both first calls."""
     A = _matrix(n, 5)
     x = jnp.ones((n,), jnp.float32)
-    rows = []
-    for name in ("jax.jacfwd", "ours"):
-        t = time_compiled(_linear_methods()[name], x, A, repeats=3, max_time=60.0)
-        rows.append({"problem": "A @ x (seed size)", "N": n, "method": name, **t})
+    methods = _linear_methods()
+    timings = time_contenders(
+        {name: (methods[name], (x, A)) for name in ("jax.jacfwd", "ours")},
+        repeats=3,
+        max_time=60.0,
+    )
+    rows = [
+        {"problem": "A @ x (seed size)", "N": n, "method": name, **t} for name, t in timings.items()
+    ]
     return rows + _first_call(n)
 
 
@@ -193,11 +226,14 @@ def run(quick: bool = False, seed_n: int | None = None) -> list[dict]:
     for n in sizes:
         A, B = _matrix(n, 0), _matrix(n, 1)
         x = jnp.asarray(np.random.RandomState(2).randn(n), dtype=jnp.float32)
-        for name, fn in _linear_methods().items():
-            t = time_compiled(fn, x, A, repeats=_repeats(n))
+        # The contenders of a case timed interleaved (round-robin), so that a drifting or
+        # shared machine slows all of them alike; the fastest rounds are compared.
+        timing = dict(repeats=_repeats(n), min_time=0.2, max_time=20.0)
+        linear = {name: (fn, (x, A)) for name, fn in _linear_methods().items()}
+        for name, t in time_contenders(linear, **timing).items():
             rows.append({"problem": "A @ x", "N": n, "method": name, **t})
-        for name, fn in _nonlinear_methods().items():
-            t = time_compiled(fn, x, A, B, repeats=_repeats(n))
+        nonlinear = {name: (fn, (x, A, B)) for name, fn in _nonlinear_methods().items()}
+        for name, t in time_contenders(nonlinear, **timing).items():
             rows.append({"problem": "B @ tanh(A @ x)", "N": n, "method": name, **t})
         # Check the timed programs agree (outside the timings).
         ours = jax.jit(_linear_methods()["ours"])(x, A)
@@ -211,23 +247,36 @@ def run(quick: bool = False, seed_n: int | None = None) -> list[dict]:
         ("problem", "problem"),
         ("N", "N"),
         ("method", "method"),
-        ("run_s", "run (median)"),
+        ("run", "run (fastest, +median spread)"),
         ("compile_s", "compile"),
-        ("first_s", "first call"),
+        ("first_s", "first call (fastest)"),
         ("bitwise_equal", "== A bit for bit"),
     ]
-    print(markdown_table(rows, columns))
+    print(markdown_table([dict(r, run=fmt_spread(r)) for r in rows], columns))
     ratios = _ratios(rows)
     print()
     for key, value in ratios.items():
         print(f"- {key}: {value:.3g}" if value is not None else f"- {key}: —")
-    path = write_results("materialise", rows, ratios=ratios, quick=quick)
+    path = write_results(
+        "materialise",
+        rows,
+        ratios=ratios,
+        quick=quick,
+        note=(
+            "The contenders of each case timed interleaved (round-robin) after compiling: "
+            "`run_min_s` is the fastest round, `run_s` the median and `run_max_s` the slowest "
+            "(the spread). First calls: the fastest of "
+            f"{FIRST_CALL_ROUNDS} interleaved rounds, each at a fresh size N, N + 1, ... "
+            "(`first_s`; `first_median_s`, `first_max_s` the spread). Every ratio is ours over "
+            "the other's, from the fastest rounds."
+        ),
+    )
     plot(rows)
     print(f"\nResults: {path}\nPlot: {plot_path('materialise')}")
     return rows
 
 
-def _get(rows, problem, n, method, key="run_s"):
+def _get(rows, problem, n, method, key="run_min_s"):
     for r in rows:
         if r["problem"] == problem and r["N"] == n and r["method"] == method:
             return r.get(key)
@@ -291,7 +340,7 @@ def plot(rows, out=None):
             )
         ax.set_title(f"Jacobian of {problem}, float32")
         ax.set_xlabel("N")
-        ax.set_ylabel("seconds (median)")
+        ax.set_ylabel("seconds (run: fastest round)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

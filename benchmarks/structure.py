@@ -38,7 +38,7 @@ matplotlib.use("Agg")
 import diffrax_linearize as dl
 import matplotlib.pyplot as plt
 
-from benchmarks._common import markdown_table, plot_path, time_compiled, write_results
+from benchmarks._common import markdown_table, plot_path, time_contenders, write_results
 
 
 # ---- the corpus -----------------------------------------------------------------------------
@@ -149,6 +149,8 @@ def _leaf_size(op) -> int:
 
 
 def _asdex(fn, x):
+    """asdex's jitted-able Jacobian of `fn` at `x`, the time of its one-off detection and
+    colouring, and the number of colours; `None` without asdex."""
     try:
         import asdex
     except ImportError:
@@ -177,37 +179,39 @@ def run(quick: bool = False) -> list[dict]:
         for i, n in enumerate(sizes):
             x = _input(n)
             base = {"field": name, "unknowns": n}
-            f_time = time_compiled(fn, x)
-            rows.append({**base, "method": "f", **f_time})
             op = jax.jit(lambda x: dl.materialise_operator(fn, x))(x)
             report = dl.structure_report(fn, x)
-            ours = time_compiled(lambda x: dl.materialise_operator(fn, x), x)
-            rows.append(
-                {
-                    **base,
-                    "method": "ours",
-                    **ours,
+            # Every method of a case timed interleaved (round-robin) against the others, so
+            # that a drifting or shared machine slows all of them alike.
+            contenders = {"f": (fn, (x,)), "ours": (lambda x: dl.materialise_operator(fn, x), (x,))}
+            extra = {
+                "ours": {
                     "operator": type(op).__name__,
                     "stored": _leaf_size(op),
                     "structure": report.kinds[0],
                     "dense_fallback": dict(report.densified),
-                    "ratio_to_f": ours["run_s"] / f_time["run_s"],
                 }
-            )
+            }
             reference = None
             if n <= DENSE_MAX:
-                rows.append(
-                    {
-                        **base,
-                        "method": "ours_dense",
-                        **time_compiled(lambda x: dl.materialise(fn, x), x),
-                    }
-                )
-                rows.append({**base, "method": "jacfwd", **time_compiled(jax.jacfwd(fn), x)})
+                contenders["ours_dense"] = (lambda x: dl.materialise(fn, x), (x,))
+                contenders["jacfwd"] = (jax.jacfwd(fn), (x,))
                 if i == 0:
                     reference = jax.jacfwd(fn)(x)
-                    rows[-3]["max_error_vs_jacfwd"] = _max_error(op.as_matrix(), reference)
-            else:
+                    extra["ours"]["max_error_vs_jacfwd"] = _max_error(op.as_matrix(), reference)
+            found = _asdex(fn, x)
+            if found is not None:
+                jac, detect_s, colours = found
+                contenders["asdex"] = (jac, (x,))
+                extra["asdex"] = {"detect_s": detect_s, "colours": colours}
+                if reference is not None:
+                    extra["asdex"]["max_error_vs_jacfwd"] = _max_error(jac(x).todense(), reference)
+            timings = time_contenders(contenders, repeats=7, min_time=0.2, max_time=20.0)
+            for method, timing in timings.items():
+                rows.append({**base, "method": method, **timing, **extra.get(method, {})})
+                if method == "ours":
+                    rows[-1]["ratio_to_f"] = timing["run_min_s"] / timings["f"]["run_min_s"]
+            if n > DENSE_MAX:
                 rows.append(
                     {
                         **base,
@@ -215,55 +219,61 @@ def run(quick: bool = False) -> list[dict]:
                         "note": f"not run: the dense Jacobian is {n * n * 8 / 2**30:.1f} GiB",
                     }
                 )
-            found = _asdex(fn, x)
-            if found is not None:
-                jac, detect_s, colours = found
-                row = {
-                    **base,
-                    "method": "asdex",
-                    **time_compiled(jac, x),
-                    "detect_s": detect_s,
-                    "colours": colours,
-                }
-                if reference is not None:
-                    row["max_error_vs_jacfwd"] = _max_error(jac(x).todense(), reference)
-                rows.append(row)
             print(f"  {name} n={n}: {report.kinds[0]}", flush=True)
-    path = write_results("structure", rows, summary=summary(rows), quick=quick)
+    path = write_results(
+        "structure",
+        rows,
+        summary=summary(rows),
+        quick=quick,
+        note=(
+            "The methods of each field and size timed interleaved (round-robin) after "
+            "compiling: `run_min_s` is the fastest round, `run_s` the median and `run_max_s` "
+            "the slowest (the spread). The summary's times are the fastest rounds and its "
+            "ratios (ours over the other's) are of the fastest rounds; asdex's detection and "
+            "colouring (`detect_s`) is one call, timed once."
+        ),
+    )
     print(markdown_table(summary(rows), COLUMNS))
     print(f"\nResults: {path}\nPlot: {plot(rows)}")
     return rows
 
 
 def summary(rows) -> list[dict]:
-    """One row per field and size: ours against jacfwd and asdex."""
+    """One row per field and size: ours against jacfwd and asdex, from the fastest rounds
+    (the `_s` times are fastest rounds; ratios are ours over the other's)."""
     out = []
     keys = sorted(
         {(r["field"], r["unknowns"]) for r in rows}, key=lambda k: (list(FIELDS).index(k[0]), k[1])
     )
     for field, n in keys:
         by = {r["method"]: r for r in rows if r["field"] == field and r["unknowns"] == n}
-        ours, f, jf, ad = by.get("ours"), by.get("f"), by.get("jacfwd"), by.get("asdex")
+        fastest = lambda method: _fastest(by.get(method))  # noqa: E731
+        ours, ad, jf = fastest("ours"), fastest("asdex"), fastest("jacfwd")
         out.append(
             {
                 "field": field,
                 "unknowns": n,
-                "structure": ours.get("structure") if ours else None,
-                "stored": ours.get("stored") if ours else None,
-                "f_s": f.get("run_s") if f else None,
-                "ours_s": ours.get("run_s") if ours else None,
-                "ours_compile_s": ours.get("compile_s") if ours else None,
-                "jacfwd_s": jf.get("run_s") if jf else None,
-                "asdex_s": ad.get("run_s") if ad else None,
-                "asdex_detect_s": ad.get("detect_s") if ad else None,
-                "colours": ad.get("colours") if ad else None,
-                "ours_over_asdex": (ours["run_s"] / ad["run_s"]) if ad and ours else None,
-                "ours_over_jacfwd": (ours["run_s"] / jf["run_s"])
-                if jf and jf.get("run_s") and ours
-                else None,
+                "structure": by["ours"].get("structure") if "ours" in by else None,
+                "stored": by["ours"].get("stored") if "ours" in by else None,
+                "f_s": fastest("f"),
+                "ours_s": ours,
+                "ours_compile_s": by["ours"].get("compile_s") if "ours" in by else None,
+                "jacfwd_s": jf,
+                "asdex_s": ad,
+                "asdex_detect_s": by["asdex"].get("detect_s") if "asdex" in by else None,
+                "colours": by["asdex"].get("colours") if "asdex" in by else None,
+                "ours_over_asdex": ours / ad if ours and ad else None,
+                "ours_over_jacfwd": ours / jf if ours and jf else None,
             }
         )
     return out
+
+
+def _fastest(row: dict | None) -> float | None:
+    """A row's fastest round (a result from before the interleaved timings: its median)."""
+    if row is None:
+        return None
+    return row.get("run_min_s", row.get("run_s"))
 
 
 def derive(data: dict) -> dict:
@@ -277,7 +287,7 @@ COLUMNS = [
     ("structure", "structure found"),
     ("stored", "numbers in operator"),
     ("f_s", "one f"),
-    ("ours_s", "ours"),
+    ("ours_s", "ours (fastest)"),
     ("ours_compile_s", "ours compile"),
     ("jacfwd_s", "jax.jacfwd"),
     ("asdex_s", "asdex"),
@@ -301,7 +311,7 @@ def plot(rows, out=None):
     for ax, field in zip(axes.flat, fields):
         for method, style in [("f", ":"), ("ours", "o-"), ("jacfwd", "s--"), ("asdex", "^-")]:
             pts = [
-                (r["unknowns"], r["run_s"])
+                (r["unknowns"], _fastest(r))
                 for r in rows
                 if r["field"] == field and r["method"] == method and r.get("run_s")
             ]
@@ -309,7 +319,7 @@ def plot(rows, out=None):
                 ax.loglog(*zip(*pts), style, label=labels[method])
         ax.set_title(field)
         ax.set_xlabel("unknowns")
-        ax.set_ylabel("run time (s)")
+        ax.set_ylabel("run time, fastest round (s)")
     for ax in list(axes.flat)[len(fields) :]:
         ax.axis("off")
     handles, names = axes.flat[0].get_legend_handles_labels()

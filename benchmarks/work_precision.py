@@ -14,17 +14,17 @@ Cost: wall time per path of a jitted solve of a batch of paths, in the way a use
 run it: the increments from a `diffrax.VirtualBrownianTree` (the same tree for every
 method), and for `GeneralItoMilstein` the Lévy areas sampled on the fly by
 `LevyAreaBrownianPath(bm, dt=h)`, with the number of Fourier terms that step size needs.
-Compile time is excluded and reported separately. The cost of each method at RMS error
-1e-3 is interpolated in log-log space (extrapolated along the fitted line when the
-measured range does not reach 1e-3, and flagged).
+Every method at every step size is timed interleaved with the others of the same m
+(round-robin, `time_contenders`), and the fastest round is the cost, with the median and
+slowest rounds beside it (the spread). Compile time is excluded and reported separately.
+The cost of each method at RMS error 1e-3 is interpolated in log-log space (extrapolated
+along the fitted line when the measured range does not reach 1e-3, and flagged).
 
 Run: `python -m benchmarks.work_precision [--quick]`.
 """
 
 import argparse
 import math
-import statistics
-import time
 
 import diffrax
 import jax
@@ -37,7 +37,7 @@ jax.config.update("jax_enable_x64", True)
 
 import diffrax_linearize as dl  # noqa: E402
 
-from benchmarks._common import block, markdown_table, plot_path, write_results
+from benchmarks._common import fmt_spread, markdown_table, plot_path, time_contenders, write_results
 
 
 D = 8
@@ -122,19 +122,17 @@ def _errors(m, steps, n_paths, chunk):
 
 
 def _timings(m, steps, n_batch, repeats):
-    """Wall time per path (median of repeats) and compile time, with the tree and, for the
-    general solver, the sampled Lévy areas."""
+    """Wall time per path (fastest, median and slowest round) and compile time, with the
+    tree and, for the general solver, the sampled Lévy areas: every method at every step
+    size timed interleaved with the others."""
     f, g, y0 = _problem(m)
-    out = {}
     keys = jr.split(jr.key(1), n_batch)
+    batches = {}  # one function per method and number of Fourier terms; dt is traced
+    contenders = {}
     for name, (solver, needs_levy) in _methods().items():
-        compiled = {}  # one compilation per number of Fourier terms; dt is traced
-        rows = []
         for h in steps:
             n_terms = dl.levy_area_n_terms(m, h) if needs_levy else None
-            dt = jnp.asarray(h)
-            compile_s = None  # compiled for an earlier step size
-            if n_terms not in compiled:
+            if (name, n_terms) not in batches:
 
                 def batch(keys, dt, solver=solver, n_terms=n_terms):
                     def one(key):
@@ -144,20 +142,34 @@ def _timings(m, steps, n_batch, repeats):
 
                     return jax.vmap(one)(keys)
 
-                t0 = time.perf_counter()
-                compiled[n_terms] = jax.jit(batch).lower(keys, dt).compile()
-                compile_s = time.perf_counter() - t0
-            fn = compiled[n_terms]
-            block(fn(keys, dt))
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                block(fn(keys, dt))
-                times.append(time.perf_counter() - t0)
-            rows.append(
-                dict(run_s=statistics.median(times) / n_batch, compile_s=compile_s, n_terms=n_terms)
+                batches[(name, n_terms)] = batch
+                first = True
+            else:
+                first = False  # the same function: JAX's caches reuse its compilation
+            contenders[(name, h)] = (
+                batches[(name, n_terms)],
+                (keys, jnp.asarray(h)),
+                n_terms,
+                first,
             )
-        out[name] = rows
+    timings = time_contenders(
+        {key: (fn, args) for key, (fn, args, _, _) in contenders.items()},
+        repeats=repeats,
+        max_time=60.0,
+    )
+    out = {}
+    for (name, h), (_, _, n_terms, first) in contenders.items():
+        t = timings[(name, h)]
+        out.setdefault(name, []).append(
+            dict(
+                run_min_s=t["run_min_s"] / n_batch,
+                run_s=t["run_s"] / n_batch,
+                run_max_s=t["run_max_s"] / n_batch,
+                rounds=t["rounds"],
+                compile_s=t["compile_s"] if first else None,
+                n_terms=n_terms,
+            )
+        )
     return out
 
 
@@ -186,11 +198,12 @@ def noisy_points(rows: list[dict]) -> dict[tuple, float]:
     `NOISY_JUMP` times that of the same method at half the steps: a timing disturbed by
     something else running, to be re-measured."""
     by_case = {(r["m"], r["method"], r["steps"]): r for r in rows if r.get("run_s")}
+    fastest = lambda r: r.get("run_min_s", r["run_s"])  # noqa: E731
     noisy = {}
     for (m, method, steps), r in by_case.items():
         half = by_case.get((m, method, steps // 2))
         if half is not None and steps % 2 == 0:
-            jump = (r["run_s"] / steps) / (half["run_s"] / half["steps"])
+            jump = (fastest(r) / steps) / (fastest(half) / half["steps"])
             if jump > NOISY_JUMP:
                 noisy[(m, method, steps)] = jump
     return noisy
@@ -216,13 +229,11 @@ def run(quick: bool = False, ms: list[int] | None = None) -> list[dict]:
                         dt=h,
                         steps=round(1 / h),
                         rms_error=err,
-                        n_terms=tm["n_terms"],
-                        run_s=tm["run_s"],
-                        compile_s=tm["compile_s"],
+                        **tm,
                     )
                 )
             slope = float(np.polyfit(np.log(steps), np.log(errors[name]), 1)[0])
-            cost, extrapolated = _cost_at(errors[name], [t["run_s"] for t in timings[name]])
+            cost, extrapolated = _cost_at(errors[name], [t["run_min_s"] for t in timings[name]])
             steps_at, _ = _cost_at(errors[name], [1 / h for h in steps])
             summary.append(
                 dict(
@@ -236,14 +247,14 @@ def run(quick: bool = False, ms: list[int] | None = None) -> list[dict]:
             )
     print(
         markdown_table(
-            rows,
+            [dict(r, time=fmt_spread(r)) for r in rows],
             [
                 ("m", "m"),
                 ("method", "method"),
                 ("steps", "steps"),
                 ("rms_error", "RMS error"),
                 ("n_terms", "Fourier terms"),
-                ("run_s", "time / path"),
+                ("time", "time / path (fastest, +median spread)"),
                 ("compile_s", "compile"),
             ],
         )
@@ -264,10 +275,29 @@ def run(quick: bool = False, ms: list[int] | None = None) -> list[dict]:
             ],
         )
     )
-    path = write_results("work_precision", rows, summary=summary, quick=quick, d=D, n_fine=N_FINE)
+    path = write_results(
+        "work_precision",
+        rows,
+        summary=summary,
+        quick=quick,
+        d=D,
+        n_fine=N_FINE,
+        note=(
+            "Every method at every step size of one m timed interleaved (round-robin) after "
+            "compiling: per path, `run_min_s` is the fastest round, `run_s` the median and "
+            "`run_max_s` the slowest (the spread). The summary's `run_s_at_1e_3` is the cost "
+            "at RMS error 1e-3 from the fastest rounds. `compile_s` is given once per "
+            "compiled program (a step size sharing its number of Fourier terms shares it)."
+        ),
+    )
     print(f"\nwrote {path}")
     plot(rows)
     return rows
+
+
+def _fastest(row: dict) -> float:
+    """A row's fastest round (a result from before the interleaved timings: its median)."""
+    return row.get("run_min_s", row["run_s"])
 
 
 def plot(rows, out=None):
@@ -283,11 +313,11 @@ def plot(rows, out=None):
     for ax, m in zip(axes[0], ms):
         for name in _methods():
             sel = [r for r in rows if r["m"] == m and r["method"] == name]
-            ax.loglog([r["run_s"] for r in sel], [r["rms_error"] for r in sel], "o-", label=name)
+            ax.loglog([_fastest(r) for r in sel], [r["rms_error"] for r in sel], "o-", label=name)
         bad = [r for r in rows if r["m"] == m and (m, r["method"], r["steps"]) in noisy]
         if bad:
             ax.loglog(
-                [r["run_s"] for r in bad],
+                [_fastest(r) for r in bad],
                 [r["rms_error"] for r in bad],
                 "o",
                 ms=14,
@@ -297,7 +327,7 @@ def plot(rows, out=None):
             )
         ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
         ax.set_title(f"d = {D}, m = {m}, non-commutative linear noise")
-        ax.set_xlabel("wall time per path (s)")
+        ax.set_xlabel("wall time per path, fastest round (s)")
         ax.set_ylabel("RMS error at t = 1")
         ax.grid(True, which="both", alpha=0.3)
         if bad or ax is axes[0][0]:

@@ -223,7 +223,7 @@ def test_side_by_side_table(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     page = report.render()
     assert "### Side by side" in page
-    assert "| problem | N | method | run (cpu-cpu) | run (gpu-nvidia-h200) |" in page
+    assert "| problem | N | method | fastest (cpu-cpu) | fastest (gpu-nvidia-h200) |" in page
     assert "| A@x | 100 | ours | 2.00 ms | 40 µs |" in page
     assert "| A@x | 200 | ours | 250.00 ms | — |" in page
     # One machine only: no side-by-side table.

@@ -106,8 +106,6 @@ NOT_MEASURED = {
     },
     "docs/devdocs/structure_engine.md": {"1 MiB": "a threshold of the constant cache"},
     "docs/ensembles.md": {
-        "2 s": "the order of magnitude of the guide's own example, not a recorded result",
-        "20 µs": "the same, per path and step",
         "60 s": "a timeout",
         "10 s": "a timeout of the multi-process test",
         "5 s": "a timeout of the multi-process test",
