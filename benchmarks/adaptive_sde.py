@@ -29,10 +29,13 @@ Lévy areas of each step, and `dl.LevyAreaBrownianPath` samples those independen
 not consistently across step sizes (so no adaptive solve could converge to a fixed reference
 on it): here every path is instead sampled once on a fine grid (increments, Lévy areas and
 space-time areas of each grid cell) and every solver's step times are rounded to that grid,
-all iterated integrals over a step following by Chen's relation (`_GridPath`).
+all iterated integrals over a step following by Chen's relation (`_GridPath`). That grid is
+sampled outside the timed solves (so SPaRK, which reads no Lévy areas, and ours pay alike);
+with `dl.LevyAreaBrownianPath` ours would also pay for sampling the areas of every step.
 
 Reference: ours at a very fine fixed step on the same path (2^-12 in quick mode, 2^-14
-otherwise), checked against half its step (`reference_check` in the JSON).
+otherwise; for Van der Pol with theta = 1/2), checked against twice its step
+(`reference_check` in the JSON).
 
 Error: RMS over paths of |y(1) - reference(1)|. Cost per path: the fastest interleaved round
 (`time_contenders`) of a jitted, `jax.vmap`ped solve of all paths, divided by the number of
@@ -139,6 +142,8 @@ def _stratonovich(f, g):
     return drift
 
 
+_NEWTON = dl.Newton(rtol=1e-8, atol=1e-8, norm=optx.max_norm, cauchy_termination=True)
+
 PROBLEMS = {
     "double well, noise burst": dict(
         noise="commutative", f=_well_f, g=_well_g, y0=(-1.0, 1.0), ours=dl.ItoMilstein()
@@ -152,9 +157,10 @@ PROBLEMS = {
         g=_vdp_g,
         y0=(2.0, 0.6),
         # Newton: at the larger fixed steps the default `VeryChord` does not converge.
-        ours=dl.ImplicitItoMilstein(
-            root_finder=dl.Newton(rtol=1e-8, atol=1e-8, norm=optx.max_norm, cauchy_termination=True)
-        ),
+        ours=dl.ImplicitItoMilstein(root_finder=_NEWTON),
+        # The trapezoidal drift (second order in the drift) for the reference only: the
+        # backward-Euler drift of theta = 1 needs a much finer step to be as accurate.
+        reference=dl.ImplicitItoMilstein(theta=0.5, root_finder=_NEWTON),
     ),
 }
 
@@ -266,9 +272,19 @@ def _contenders(problem: dict, quick: bool) -> dict[str, dict]:
     return out
 
 
+def path_inputs(problem: dict, keys, n_ref: int):
+    """What `_make_solve`'s solves take for the paths: the keys of the Brownian trees, or for
+    general noise the grid data, sampled here once, outside the timed solves, so that every
+    contender reads the same arrays."""
+    if problem["noise"] != "general":
+        return keys
+    return jax.jit(jax.vmap(lambda k: _grid_data(k, n_ref)))(keys)
+
+
 def _make_solve(problem: dict, contender: dict, n_ref: int, max_steps: int):
-    """`solve(keys, param) -> (y(1), steps)` over a batch of paths; `param` is rtol for an
-    adaptive contender and dt for a fixed one."""
+    """`solve(paths, param) -> (y(1), steps, ok)` over a batch of paths: `paths` the keys of
+    the Brownian trees, or for general noise the grid data of `_grid_data` (sampled outside
+    the timed solve); `param` is rtol for an adaptive contender and dt for a fixed one."""
     f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], problem["g"])
     g = problem["g"]
     y0 = jnp.asarray(problem["y0"])
@@ -278,7 +294,7 @@ def _make_solve(problem: dict, contender: dict, n_ref: int, max_steps: int):
 
     def path(key):
         if general:
-            W, area, integral = _grid_data(key, n_ref)
+            W, area, integral = key
             kind = "iterated" if contender["ito"] else "spacetime"
             return _GridPath(T1 / n_ref, kind, W, area, integral)
         return dfx.VirtualBrownianTree(
@@ -381,14 +397,18 @@ def _params(adaptive: bool, quick: bool) -> list[float]:
 def _run_problem(name: str, problem: dict, quick: bool) -> tuple[list[dict], dict]:
     n_paths = 32 if quick else 128
     n_ref = 2**12 if quick else 2**14
-    keys = jr.split(jr.key(sum(map(ord, name))), n_paths)
+    keys = path_inputs(problem, jr.split(jr.key(sum(map(ord, name))), n_paths), n_ref)
     contenders = _contenders(problem, quick)
     solves = {
         c: _make_solve(problem, spec, n_ref, max_steps=n_ref) for c, spec in contenders.items()
     }
-    # The reference: ours at the finest fixed step (the same compiled solve as "ours fixed"),
-    # and at twice that step for its own error.
-    fixed = jax.jit(solves["ours fixed"])
+    # The reference: ours at the finest fixed step (the same compiled solve as "ours fixed",
+    # unless the problem names another solver), and at twice that step for its own error.
+    if "reference" in problem:
+        spec = dict(contenders["ours fixed"], solver=problem["reference"])
+        fixed = jax.jit(_make_solve(problem, spec, n_ref, max_steps=n_ref))
+    else:
+        fixed = jax.jit(solves["ours fixed"])
     reference, _, ok = fixed(keys, T1 / n_ref)
     half_ref, _, _ = fixed(keys, 2 * T1 / n_ref)
     ref_check = float(jnp.sqrt(jnp.mean(jnp.sum((half_ref - reference) ** 2, axis=-1))))

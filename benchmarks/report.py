@@ -618,9 +618,7 @@ def _adaptive_sde_figures() -> dict[str, str]:
     data = json.loads(paths[0].read_text())
     source = f"`benchmarks/results/{paths[0].name}`; {_machine_line(data['machine'])}"
     note = f" {data['note']}." if data.get("note") else ""
-    return {
-        "adaptive-sde-table": f"\n\n{table(data['acceptance'])}\n\nFrom {source}.{note}\n\n"
-    }
+    return {"adaptive-sde-table": f"\n\n{table(data['acceptance'])}\n\nFrom {source}.{note}\n\n"}
 
 
 def figures() -> dict[str, str]:

@@ -133,8 +133,9 @@ def test_reference_and_solvers_agree(name):
     problem = bench.PROBLEMS[name]
     contenders = bench._contenders(problem, quick=True)
     n_ref = 2**10
-    keys = jr.split(jr.key(1), 8)
-    fixed = jax.jit(bench._make_solve(problem, contenders["ours fixed"], n_ref, n_ref))
+    keys = bench.path_inputs(problem, jr.split(jr.key(1), 8), n_ref)
+    spec = dict(contenders["ours fixed"], solver=problem.get("reference", problem["ours"]))
+    fixed = jax.jit(bench._make_solve(problem, spec, n_ref, n_ref))
     ref, _, ok = fixed(keys, 1 / n_ref)
     half, _, _ = fixed(keys, 2 / n_ref)
     assert np.all(ok)
