@@ -40,8 +40,9 @@ otherwise; for Van der Pol with theta = 1/2), checked against twice its step
 Error: RMS over paths of |y(1) - reference(1)|. Cost per path: the fastest interleaved round
 (`time_contenders`) of a jitted, `jax.vmap`ped solve of all paths, divided by the number of
 paths; steps per path (accepted + rejected, mean over paths); vector-field evaluations per path
-(steps times the drift and diffusion calls of one traced step, a JVP counted as one call; an
-implicit solver's root-finder iterations count once).
+(`traced_calls`: steps times the drift and diffusion calls in one traced step, a JVP counted
+as one call; an upper bound for ours, whose structure engine also calls the diffusion while
+tracing, and an implicit solver's root-finder iterations count once).
 
 Acceptance ratios, per problem, at the RMS error of ours adaptive at rtol `TARGET_RTOL`:
 cost(ours at the best fixed step) / cost(ours adaptive) (goal >= 2), cost(HalfSolver(ours)) /
@@ -332,7 +333,8 @@ def _make_solve(problem: dict, contender: dict, n_ref: int, max_steps: int):
 
 
 def _calls_per_step(problem: dict, contender: dict) -> int:
-    """Drift and diffusion calls in one traced step (a JVP of a call counts as one)."""
+    """Drift and diffusion calls in one traced step (a JVP of a call counts as one; so do
+    the calls the structure engine makes while tracing, which are not run)."""
     count = [0]
 
     def counted(fn):
@@ -441,8 +443,8 @@ def _run_problem(name: str, problem: dict, quick: bool) -> tuple[list[dict], dic
                 failed_paths=int(n_paths - int(jnp.sum(ok))),
                 steps=mean_steps,
                 max_steps_path=int(jnp.max(steps)),
-                calls_per_step=calls[c],
-                evals=mean_steps * calls[c],
+                traced_calls_per_step=calls[c],
+                traced_calls=mean_steps * calls[c],
                 time_per_path_s=t["run_min_s"] / n_paths,
                 run_min_s=t["run_min_s"],
                 run_s=t["run_s"],
@@ -543,6 +545,17 @@ def table(acc: list[dict]) -> str:
     return markdown_table(cells, columns)
 
 
+TABLE_NOTE = (
+    "Ratios by the fastest round of time per path, and by steps per path (accepted + "
+    "rejected; a step of `HalfSolver(ours)` is three steps of ours); the first two are "
+    "another's cost over ours adaptive (above 1: ours adaptive is cheaper), the last ours "
+    "adaptive over Diffrax's cheapest adaptive solver at that error (below 1: ours is "
+    "cheaper). n/a: fewer than two tolerances of that contender solved every path (a failed "
+    "root find inside `diffrax.HalfSolver` ends the solve), or there is no such contender "
+    "(`HalfSolver` refuses the general-noise solvers)."
+)
+
+
 def derive(data: dict) -> dict:
     acc = acceptance(data["rows"])
     return dict(data, acceptance=acc, markdown_table=table(acc))
@@ -569,7 +582,7 @@ def run(quick: bool = False) -> list[dict]:
                 ("param", "rtol or dt"),
                 ("rms_error", "RMS error"),
                 ("steps", "steps / path"),
-                ("evals", "f, g calls / path"),
+                ("traced_calls", "f, g calls / path (traced)"),
                 ("time_per_path_s", "time / path"),
                 ("failed_paths", "failed"),
             ],

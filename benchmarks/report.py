@@ -476,10 +476,10 @@ def _noisy(data: dict) -> dict:
 
 
 def _adaptive_sde(data: dict) -> list[str]:
-    from benchmarks.adaptive_sde import table
+    from benchmarks.adaptive_sde import table, TABLE_NOTE
 
     note = data.get("note")
-    return [table(data["acceptance"]), ""] + ([note, ""] if note else [])
+    return [table(data["acceptance"]), "", TABLE_NOTE, ""] + ([note, ""] if note else [])
 
 
 # Each benchmark's short table (at most eight columns), from one result file.
@@ -613,12 +613,13 @@ def _adaptive_sde_figures() -> dict[str, str]:
     if not paths:
         missing = "(not measured yet: run `python -m benchmarks.adaptive_sde`)"
         return {"adaptive-sde-table": f"\n\n{missing}\n\n"}
-    from benchmarks.adaptive_sde import table
+    from benchmarks.adaptive_sde import table, TABLE_NOTE
 
     data = json.loads(paths[0].read_text())
     source = f"`benchmarks/results/{paths[0].name}`; {_machine_line(data['machine'])}"
     note = f" {data['note']}." if data.get("note") else ""
-    return {"adaptive-sde-table": f"\n\n{table(data['acceptance'])}\n\nFrom {source}.{note}\n\n"}
+    text = f"{table(data['acceptance'])}\n\n{TABLE_NOTE} From {source}.{note}"
+    return {"adaptive-sde-table": f"\n\n{text}\n\n"}
 
 
 def figures() -> dict[str, str]:
