@@ -26,7 +26,12 @@ ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 # The files with generated figures in them.
-QUOTING = (ROOT / "README.md", ROOT / "docs" / "ensembles.md", ROOT / "docs" / "squared_grads.md")
+QUOTING = (
+    ROOT / "README.md",
+    ROOT / "docs" / "ensembles.md",
+    ROOT / "docs" / "squared_grads.md",
+    ROOT / "docs" / "milstein.md",
+)
 
 TITLES = {
     "step_cost": "Step cost of one SDE step",
@@ -39,6 +44,9 @@ TITLES = {
     "ensemble": "Ensembles: throughput against devices and processes",
     "stiff_peers": "Stiff ODEs against SUNDIALS, diffsol, casadi and scipy",
     "stiff_peers_quick": "Stiff ODEs against SUNDIALS, diffsol, casadi and scipy (quick mode)",
+    "adaptive_sde": "Adaptive steps on SDEs whose difficulty varies along the path",
+    "adaptive_sde_quick": "Adaptive steps on SDEs whose difficulty varies along the path "
+    "(quick mode)",
 }
 
 
@@ -54,12 +62,22 @@ CASE_KEYS = {
     "ensemble": ("processes", "devices", "cores", "paths", "steps", "d"),
     "stiff_peers": ("problem", "size", "rtol", "method"),
     "stiff_peers_quick": ("problem", "size", "rtol", "method"),
+    "adaptive_sde": ("problem", "method", "param"),
+    "adaptive_sde_quick": ("problem", "method", "param"),
 }
 
 
 # Where the built site serves each result's PNG and JSON (`docs/_scripts/benchmark_results.py`
 # adds them to the site from `benchmarks/results/`, so the docs hold no copies).
 ASSETS = "assets/benchmarks"
+
+_ADAPTIVE_SDE = (
+    "RMS strong error at t = 1 against cost per path (wall time of a vmapped batch, steps) "
+    "on three SDEs (commutative, non-commutative, stiff) for ours adaptive "
+    "(`PIDController`), ours at fixed steps, `HalfSolver(ours)` and Diffrax's adaptive SDE "
+    "solvers. The table: the acceptance ratios at the error of ours adaptive at rtol 1e-3 "
+    "(costs interpolated in log-log space; * extrapolated); the JSON has every point."
+)
 
 # What each section measures, in a sentence, above its plot.
 WHAT = {
@@ -82,6 +100,8 @@ WHAT = {
     "Brusselator: time (fastest run) against significant correct digits (scd, the test "
     "set's mixed error) for ours, Diffrax's default, scipy and the optional peers; the "
     "table shows rtol 1e-6, the JSON every tolerance.",
+    "adaptive_sde": _ADAPTIVE_SDE,
+    "adaptive_sde_quick": _ADAPTIVE_SDE,
 }
 
 
@@ -506,8 +526,17 @@ def _noisy(data: dict) -> dict:
     return noisy_points(data["rows"])
 
 
+def _adaptive_sde(data: dict) -> list[str]:
+    from benchmarks.adaptive_sde import table, TABLE_NOTE
+
+    note = data.get("note")
+    return [table(data["acceptance"]), "", TABLE_NOTE, ""] + ([note, ""] if note else [])
+
+
 # Each benchmark's short table (at most eight columns), from one result file.
 SHORT = {
+    "adaptive_sde": _adaptive_sde,
+    "adaptive_sde_quick": _adaptive_sde,
     "stiff_peers": _stiff_peers,
     "stiff_peers_quick": _stiff_peers,
     "adjoint": _adjoint,
@@ -641,9 +670,26 @@ def _squared_grads_figures() -> dict[str, str]:
     }
 
 
+def _adaptive_sde_figures() -> dict[str, str]:
+    """The acceptance table of the adaptive-steps benchmark, for `docs/milstein.md`."""
+    paths = sorted(RESULTS.glob("adaptive_sde-cpu-*.json")) or sorted(
+        RESULTS.glob("adaptive_sde_quick-cpu-*.json")
+    )
+    if not paths:
+        missing = "(not measured yet: run `python -m benchmarks.adaptive_sde`)"
+        return {"adaptive-sde-table": f"\n\n{missing}\n\n"}
+    from benchmarks.adaptive_sde import table, TABLE_NOTE
+
+    data = json.loads(paths[0].read_text())
+    source = f"`benchmarks/results/{paths[0].name}`; {_machine_line(data['machine'])}"
+    note = f" {data['note']}." if data.get("note") else ""
+    text = f"{table(data['acceptance'])}\n\n{TABLE_NOTE} From {source}.{note}"
+    return {"adaptive-sde-table": f"\n\n{text}\n\n"}
+
+
 def figures() -> dict[str, str]:
     """The generated figures, by name."""
-    return _ensemble_figures() | _squared_grads_figures()
+    return _ensemble_figures() | _squared_grads_figures() | _adaptive_sde_figures()
 
 
 def fill(text: str, pieces: dict[str, str]) -> str:
@@ -856,6 +902,8 @@ PLOTTERS = {
     "adjoint": "benchmarks.adjoint",
     "squared_grads": "benchmarks.squared_grads",
     "work_precision": "benchmarks.work_precision",
+    "adaptive_sde": "benchmarks.adaptive_sde",
+    "adaptive_sde_quick": "benchmarks.adaptive_sde",
 }
 
 

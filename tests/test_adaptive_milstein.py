@@ -392,3 +392,60 @@ def test_solve_ensemble_with_pid_controller():
     np.testing.assert_allclose(ens.paths.ys[:2, -1], np.stack(one), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(ens.mean[-1], np.mean(ens.paths.ys[:, -1], axis=0), rtol=1e-12)
     assert np.all(ens.paths.stats["num_accepted_steps"] > 5)
+
+
+def _stiff_cubic():
+    import optimistix as optx
+
+    newton = dl.Newton(rtol=1e-10, atol=1e-10, norm=optx.max_norm, cauchy_termination=True)
+    bm = dfx.VirtualBrownianTree(0.0, 1.0, tol=2**-10, shape=(2,), key=jr.key(7))
+    terms = dfx.MultiTerm(
+        dfx.ODETerm(lambda t, y, a: -50.0 * y**3),
+        dfx.ControlTerm(lambda t, y, a: 0.1 * jnp.diag(y), bm),
+    )
+    return newton, terms, jnp.array([1.0, -2.0])
+
+
+def test_failed_root_find_rejects_the_step():
+    # A drift-implicit step whose root find fails (one Newton iteration on a stiff cubic
+    # drift at a large step) returns an infinite error estimate, so that an adaptive
+    # controller rejects it and shrinks the step, as for Diffrax's implicit solvers.
+    newton, terms, y0 = _stiff_cubic()
+
+    few = dl.ImplicitItoMilstein(root_finder=newton, root_find_max_steps=1)
+
+    @jax.jit
+    def step(h):
+        _, y_error, _, _, result = few.step(terms, 0.0, h, y0, None, None, False)
+        return y_error, result
+
+    big_error, big = step(0.5)
+    assert big != dfx.RESULTS.successful
+    assert np.all(np.isinf(big_error))
+    # A step the one iteration does solve (a linear problem: no noise, h tiny) keeps its
+    # finite estimate.
+    small_error, small = step(1e-9)
+    assert small == dfx.RESULTS.successful
+    assert np.all(np.isfinite(small_error))
+
+
+@pytest.mark.slow  # 20 s on the busy 2-core machine
+def test_adaptive_solve_recovers_from_failed_root_finds():
+    # From a far too large first step the root finds fail, the steps are rejected and
+    # shrunk, and the solve succeeds, close to a fine fixed-step solve on the same path.
+    newton, terms, y0 = _stiff_cubic()
+    solver = dl.ImplicitItoMilstein(root_finder=newton)
+
+    @jax.jit
+    def solves():
+        controller = dfx.PIDController(rtol=1e-3, atol=1e-3)
+        sol = dfx.diffeqsolve(
+            terms, solver, 0.0, 1.0, 0.5, y0, stepsize_controller=controller, throw=False
+        )
+        fine = dfx.diffeqsolve(terms, solver, 0.0, 1.0, 2**-10, y0, max_steps=2**10)
+        return sol.result, sol.stats, sol.ys[-1], fine.ys[-1]
+
+    result, stats, y1, fine = solves()
+    assert result == dfx.RESULTS.successful
+    assert stats["num_rejected_steps"] > 0
+    np.testing.assert_allclose(y1, fine, rtol=0.05)

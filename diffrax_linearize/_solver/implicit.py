@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import optimistix as optx
 from diffrax import (
@@ -20,6 +21,7 @@ from diffrax import (
     AbstractImplicitSolver,
     AbstractItoSolver,
     AbstractStratonovichSolver,
+    is_okay,
     LocalLinearInterpolation,
     RESULTS,
 )
@@ -105,6 +107,10 @@ class _DriftImplicit:
         y_error = _error_estimate(
             terms, t1, y1, args, parts, drift_weight=0.5 - self.theta, milstein=self._milstein
         )
+        # A step whose root find failed is rejected by an adaptive controller (which then
+        # shrinks the step), as for Diffrax's implicit solvers; under a constant step size
+        # the failure is reported as before.
+        y_error = jtu.tree_map(lambda e: jnp.where(is_okay(result), e, jnp.inf), y_error)
         return y1, y_error, dict(y0=y0, y1=y1), None, result
 
 
