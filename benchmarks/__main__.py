@@ -22,6 +22,7 @@ BENCHMARKS = {
     "work-precision": "benchmarks.work_precision",
     "ensemble": "benchmarks.ensemble",
     "stiff-peers": "benchmarks.stiff_peers",
+    "linear-crossover": "benchmarks.linear_crossover",
 }
 
 
