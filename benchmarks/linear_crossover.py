@@ -20,6 +20,10 @@ Single-threaded CPU (XLA's intra-op parallelism off), float64, contenders of one
 timed interleaved. The crossover is the smallest `n` from which the structured path's
 `factor_solve` beats dense LU's on every kind.
 
+End to end, POLLU (20 species, a `SparseLinearOperator`): `Kvaerno5(root_finder=
+dl.VeryChord())` and `dl.Rodas5P()` with the default `dense_below` and with `dense_below=0`
+(the reordered band), against Diffrax's default, at rtol = atol 1e-4 and 1e-6.
+
     python -m benchmarks linear-crossover [--quick]
 """
 
@@ -225,9 +229,11 @@ def run(quick: bool = False) -> list[dict]:
     ]
     print(markdown_table(rows, columns))
     print(f"\nCrossover (structured faster than dense LU from this n on): {crossover}")
+    pollu = pollu_rows(3 if quick else 5)
     path = write_results(
         "linear_crossover",
         rows,
+        pollu=pollu,
         crossover=crossover,
         dense_below_default_when_run=dl.StructuredLinearSolver().dense_below,
         repeats_per_call=REPEATS,
@@ -236,6 +242,46 @@ def run(quick: bool = False) -> list[dict]:
         note="single-threaded CPU, float64; busy shared 2-core machine: rough",
     )
     print(f"Results: {path}")
+    return rows
+
+
+def pollu_rows(repeats: int = 5) -> list[dict]:
+    import diffrax
+
+    from benchmarks.stiff_peers import TEST_SET
+
+    rhs, y0, t1, *_ = TEST_SET["POLLU"]
+    y0 = jnp.asarray(y0, jnp.float64)
+    band = dl.StructuredLinearSolver(dense_below=0)
+
+    def make(solver, rtol):
+        def fn(y0):
+            sol = diffrax.diffeqsolve(
+                diffrax.ODETerm(lambda t, y, args: jnp.stack(rhs(y))), solver, 0.0, t1,
+                None, y0, stepsize_controller=diffrax.PIDController(rtol=rtol, atol=rtol),
+                max_steps=200_000, throw=False,
+            )  # fmt: skip
+            return sol.ys[-1]
+
+        return fn, (y0,)
+
+    rows = []
+    for rtol in (1e-4, 1e-6):
+        contenders = {
+            "VeryChord, band (dense_below=0)": diffrax.Kvaerno5(
+                root_finder=dl.VeryChord(linear_solver=band)
+            ),
+            "VeryChord, dense (default)": diffrax.Kvaerno5(root_finder=dl.VeryChord()),
+            "Rodas5P, band (dense_below=0)": dl.Rodas5P(linear_solver=band),
+            "Rodas5P, dense (default)": dl.Rodas5P(),
+            "diffrax default": diffrax.Kvaerno5(),
+        }
+        times = time_contenders(
+            {k: make(v, rtol) for k, v in contenders.items()}, repeats=repeats, max_time=10
+        )
+        for method, t in times.items():
+            rows.append({"problem": "POLLU", "rtol": rtol, "method": method, **t})
+            print(f"POLLU rtol {rtol:g} {method:34s} {t['run_min_s'] * 1e3:8.2f} ms", flush=True)
     return rows
 
 
