@@ -318,11 +318,12 @@ def test_pytree_state():
     np.testing.assert_allclose(sol.ys["b"][-1], ref[1], rtol=1e-6)
 
 
-def test_float32():
+@pytest.mark.parametrize("solver", [dl.Rodas5P, dl.Rodas4P])
+def test_float32(solver):
     with jax.enable_x64(False):
         sol = diffrax.diffeqsolve(
             diffrax.ODETerm(_robertson),
-            dl.Rodas5P(),
+            solver(),
             0.0,
             100.0,
             1e-4,
