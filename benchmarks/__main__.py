@@ -23,6 +23,7 @@ BENCHMARKS = {
     "ensemble": "benchmarks.ensemble",
     "stiff-peers": "benchmarks.stiff_peers",
     "adaptive-sde": "benchmarks.adaptive_sde",
+    "linear-crossover": "benchmarks.linear_crossover",
 }
 
 

@@ -47,6 +47,7 @@ TITLES = {
     "adaptive_sde": "Adaptive steps on SDEs whose difficulty varies along the path",
     "adaptive_sde_quick": "Adaptive steps on SDEs whose difficulty varies along the path "
     "(quick mode)",
+    "linear_crossover": "Linear solvers: where dense LU overtakes the structured ones",
 }
 
 
@@ -64,6 +65,7 @@ CASE_KEYS = {
     "stiff_peers_quick": ("problem", "size", "rtol", "method"),
     "adaptive_sde": ("problem", "method", "param"),
     "adaptive_sde_quick": ("problem", "method", "param"),
+    "linear_crossover": ("kind", "n"),
 }
 
 
@@ -81,6 +83,9 @@ _ADAPTIVE_SDE = (
 
 # What each section measures, in a sentence, above its plot.
 WHAT = {
+    "linear_crossover": "`StructuredLinearSolver`'s structured paths against dense LU, per "
+    "operator kind and size: the cost of a factorisation and one solve, and of a solve, inside "
+    "a compiled loop (single-threaded CPU, float64); and POLLU end to end.",
     "step_cost": "One jitted `solver.step`, d = m, for three diffusions.",
     "materialise": "`materialise` of linear maps and layers against `jax.jacfwd`.",
     "structure": "The Jacobian of a vector field with sparse structure, from `materialise`, "
@@ -208,6 +213,35 @@ def _ensemble(data: dict) -> list[str]:
         ("cpu_ratio", "CPU time / 1 core's"),
     ]
     return [markdown_table(data["rows"], columns), ""]
+
+
+def _linear_crossover(data: dict) -> list[str]:
+    columns = [
+        ("kind", "operator"),
+        ("n", "n"),
+        ("structured factor_solve_s", "structured: factor + solve"),
+        ("dense LU factor_solve_s", "dense LU: factor + solve"),
+        ("structured solve_s", "structured: solve"),
+        ("dense LU solve_s", "dense LU: solve"),
+        ("structured / dense LU, factor_solve", "structured / dense LU"),
+        ("structured / dense LU, factor_8solves", "same, factor + 8 solves"),
+    ]
+    out = [markdown_table(data["rows"], columns), ""]
+    crossover = data.get("crossover", {}).get("factor_solve", {})
+    if crossover:
+        out += [
+            "Structured faster than dense LU (factor + solve) from n = "
+            + "; ".join(f"{kind}: {n}" for kind, n in crossover.items())
+            + f". `StructuredLinearSolver.dense_below`: {data.get('dense_below_chosen')} "
+            "(sparse operators only).",
+            "",
+        ]
+    if data.get("pollu"):
+        rows = [dict(r, time=fmt_spread(r)) for r in data["pollu"]]
+        cols = [("problem", "problem"), ("rtol", "rtol"), ("method", "method"), ("time", "time")]
+        out += ["End to end:", "", markdown_table(rows, cols), ""]
+    note = data.get("note")
+    return out + ([f"{note}", ""] if note else [])
 
 
 def _stiff_peers(data: dict) -> list[str]:
@@ -537,6 +571,7 @@ def _adaptive_sde(data: dict) -> list[str]:
 SHORT = {
     "adaptive_sde": _adaptive_sde,
     "adaptive_sde_quick": _adaptive_sde,
+    "linear_crossover": _linear_crossover,
     "stiff_peers": _stiff_peers,
     "stiff_peers_quick": _stiff_peers,
     "adjoint": _adjoint,

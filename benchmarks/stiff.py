@@ -5,7 +5,8 @@ explicit solvers on a stiff SPDE. Float64, jitted, one run on one machine.
 (a) N independent Robertson systems (Diffrax issue #545): `Kvaerno5` with
     `PIDController(rtol=1e-6, atol=1e-8)`, t in [0, 10], for N in {10, 100, 1000, 10000}:
     Diffrax's default root finder (dense LU of the 3N x 3N Jacobian every step; run up to
-    N = 1000), ours, and `jax.vmap` of `diffeqsolve` over the systems (what the maintainers
+    N = 1000), ours, `dl.Rodas5P()` and `dl.Rodas4P()` (Rosenbrock: one factorisation a
+    step), and `jax.vmap` of `diffeqsolve` over the systems (what the maintainers
     suggested in #545; valid only because the systems are uncoupled).
 (b) A coupled stiff problem where `vmap` does not apply: the 2D Brusselator on an n x n
     periodic grid (2 n^2 unknowns), n in {8, 16, 32, 64, 128}, t in [0, 1].
@@ -65,11 +66,11 @@ def _robertson_y0(N):
     return jnp.tile(jnp.array([1.0, 0.0, 0.0]), N) * (1 + 0.1 * jnp.linspace(0, 1, 3 * N))
 
 
-def _solve_rob(root_finder, y0, t1=10.0):
+def _solve_rob(root_finder, y0, t1=10.0, solver=None):
     kwargs = {} if root_finder is None else dict(root_finder=root_finder)
     return diffrax.diffeqsolve(
         diffrax.ODETerm(robertson),
-        diffrax.Kvaerno5(**kwargs),
+        diffrax.Kvaerno5(**kwargs) if solver is None else solver,
         0.0,
         t1,
         None,
@@ -94,6 +95,18 @@ def robertson_rows(sizes, default_max):
         sol, t = time_compiled_output(lambda y0: _solve_rob(dl.VeryChord(), y0), y0)
         ours = sol.ys[-1]
         rows.append({**base, "method": "ours", **t, **_stats(sol)})
+        for name in ("Rodas5P", "Rodas4P"):  # one factorisation a step, no Newton iterations
+            solver = getattr(dl, name)()
+            sol, t = time_compiled_output(lambda y0: _solve_rob(None, y0, solver=solver), y0)
+            rows.append(
+                {
+                    **base,
+                    "method": f"ours {name}",
+                    **t,
+                    **_stats(sol),
+                    "max_rel_diff_vs_ours": _rel(sol.ys[-1], ours),
+                }
+            )
         vm, t = time_compiled_output(_solve_rob_vmap, y0)
         rows.append({**base, "method": "vmap", **t, "max_rel_diff_vs_ours": _rel(vm, ours)})
         if N <= default_max:
@@ -318,12 +331,20 @@ def plot(rows, out=None):
         "ours": "VeryChord (ours)",
         "diffrax default": "diffrax default",
         "vmap": "vmap(diffeqsolve)",
+        "ours Rodas5P": "Rodas5P (ours)",
+        "ours Rodas4P": "Rodas4P (ours)",
     }
     for ax, problem, title in [
         (axes[0], "robertson", "N Robertson systems (Kvaerno5)"),
         (axes[1], "brusselator_2d", "2D Brusselator (Kvaerno5)"),
     ]:
-        for method, style in [("ours", "o-"), ("diffrax default", "s--"), ("vmap", "^:")]:
+        for method, style in [
+            ("ours", "o-"),
+            ("ours Rodas5P", "d-"),
+            ("ours Rodas4P", "v-"),
+            ("diffrax default", "s--"),
+            ("vmap", "^:"),
+        ]:
             pts = [
                 (r["unknowns"], r["run_s"])
                 for r in rows

@@ -16,10 +16,10 @@ Robertson x N: N identical systems, t in [0, 1e10] (diffsol's benchmark); the 2D
 on a periodic n x n grid, t in [0, 1] (`benchmarks/structure.py`).
 
 Contenders: ours (`Kvaerno5(root_finder=dl.VeryChord())`, `... dl.Newton()`, and
-`dl.Rodas5P()` where the package has it), Diffrax's default `Kvaerno5()`, scipy BDF and Radau
-(with `jac_sparsity` on the large problems), and optional peers: SUNDIALS CVODE
-(scikit-sundae), diffsol (pydiffsol, BDF and ESDIRK34) and casadi (cvodes). A peer not
-installed gives a row saying so.
+`dl.Rodas5P()` and `dl.Rodas4P()` where the package has them), Diffrax's default
+`Kvaerno5()`, scipy BDF and Radau (with `jac_sparsity` on the large problems), and optional
+peers: SUNDIALS CVODE (scikit-sundae), diffsol (pydiffsol, BDF and ESDIRK34) and casadi
+(cvodes). A peer not installed gives a row saying so.
 
 `--quick` (a minute or two): HIRES and ROBER at rtol 1e-4 and 1e-6, Robertson x N for
 N in {1, 100} and the 16 x 16 Brusselator at rtol 1e-6; it writes `stiff_peers_quick-*` in
@@ -345,16 +345,24 @@ def rober_sparsity(N):
 
 
 def _ours(name):
-    rodas = getattr(dl, "Rodas5P", None)
+    rodas5p = getattr(dl, "Rodas5P", None)
+    rodas4p = getattr(dl, "Rodas4P", None)
     return {
         "ours VeryChord": lambda: diffrax.Kvaerno5(root_finder=dl.VeryChord()),
         "ours Newton": lambda: diffrax.Kvaerno5(root_finder=dl.Newton()),
-        "ours Rodas5P": (lambda: rodas()) if rodas is not None else None,
+        "ours Rodas5P": (lambda: rodas5p()) if rodas5p is not None else None,
+        "ours Rodas4P": (lambda: rodas4p()) if rodas4p is not None else None,
         "diffrax default": lambda: diffrax.Kvaerno5(),
     }[name]
 
 
-JAX_METHODS = ["ours VeryChord", "ours Newton", "ours Rodas5P", "diffrax default"]
+JAX_METHODS = [
+    "ours VeryChord",
+    "ours Newton",
+    "ours Rodas5P",
+    "ours Rodas4P",
+    "diffrax default",
+]
 PEERS = [
     "scipy BDF",
     "scipy Radau",

@@ -44,7 +44,10 @@ from ._solver.milstein_general import (
     GeneralItoMilstein as GeneralItoMilstein,
     GeneralStratonovichMilstein as GeneralStratonovichMilstein,
 )
-from ._solver.rosenbrock import Rodas5P as Rodas5P
+from ._solver.rosenbrock import (
+    Rodas4P as Rodas4P,
+    Rodas5P as Rodas5P,
+)
 from ._squared_grads import (
     per_example_grad_norms as per_example_grad_norms,
     sum_squared_grads as sum_squared_grads,

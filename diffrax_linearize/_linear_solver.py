@@ -25,6 +25,15 @@ from ._sparsity import compressed_diagonal
 
 _API = "diffrax_linearize.StructuredLinearSolver"
 
+# Below this many unknowns a sparse operator is solved dense (see
+# `StructuredLinearSolver.dense_below`). Measured by `python -m benchmarks
+# linear-crossover` (single-threaded CPU, float64, busy 2-core machine: rough): a factor and
+# solve of the reordered band or GMRES costs more than dense LU up to 96-128 unknowns on a
+# periodic stencil and up to 128-192 on an irregular (POLLU-like) pattern; block-diagonal
+# and banded operators beat dense LU from 16-32 unknowns (from 4 counting a step's eight
+# solves per factorisation), so they keep their factorisation at every size.
+DENSE_BELOW = 128
+
 
 def resolution(dtype) -> float:
     """The smallest relative tolerance an iteration in `dtype` can meet: ten units in the
@@ -155,8 +164,11 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
       `k`;
     - [`diffrax_linearize.BandedLinearOperator`][]: a block-tridiagonal LU factorisation
       with blocks of the bandwidth $w$ (partial pivoting inside each block), $O(n w^2)$;
-    - [`diffrax_linearize.SparseLinearOperator`][] (for example a stencil on a periodic 2D
-      grid, whose flattened bandwidth is the whole grid): the unknowns are reordered by
+    - [`diffrax_linearize.SparseLinearOperator`][] of fewer than `dense_below` (128)
+      unknowns: LU of the dense matrix, which is faster at that size whatever the
+      pattern;
+    - larger [`diffrax_linearize.SparseLinearOperator`][]s (for example a stencil on a
+      periodic 2D grid, whose flattened bandwidth is the whole grid): the unknowns are reordered by
       reverse Cuthill-McKee (from the static pattern, at trace time), and where that makes
       the matrix banded with a band cheap to factor ($n w^2 \le 10^6$) it is
       factored as one: on an `n x n` periodic grid the band is about `4 n`. Otherwise,
@@ -179,6 +191,7 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
     atol: float
     restart: int
     max_steps: int | None
+    dense_below: int
 
     def __init__(
         self,
@@ -186,10 +199,19 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
         atol: float = 1e-10,
         restart: int = 20,
         max_steps: int | None = None,
+        dense_below: int = DENSE_BELOW,
     ):
         """**Arguments:**
 
-        These are used by the GMRES path only; the factorisations are direct.
+        - `dense_below`: a [`diffrax_linearize.SparseLinearOperator`][] with fewer than
+          this many unknowns is made dense and LU-factored, whatever its pattern: for
+          small systems the reordered band and GMRES cost more than dense LU (measured by
+          `python -m benchmarks linear-crossover`; the crossover lies between 96 and 192
+          unknowns). Block-diagonal and banded operators keep their factorisation at every
+          size: it is faster than dense LU from a few unknowns on. `0` keeps every
+          structure; a `preconditioner` in `options` always takes GMRES.
+
+        The others are used by the GMRES path only; the factorisations are direct.
 
         - `rtol`, `atol`: GMRES stops when the residual is below `atol + rtol * |b|`
           (lineax's `GMRES` convention, in the max norm). Tolerances below the resolution
@@ -202,6 +224,7 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
         self.atol = atol
         self.restart = restart
         self.max_steps = max_steps
+        self.dense_below = dense_below
 
     def __check_init__(self):
         for name in ("rtol", "atol"):
@@ -210,6 +233,8 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
                 raise ValueError(f"`{_API}`: `{name}` must be a non-negative number.")
         if not isinstance(self.restart, int) or self.restart < 1:
             raise ValueError(f"`{_API}`: `restart` must be a positive int.")
+        if not isinstance(self.dense_below, int) or self.dense_below < 0:
+            raise ValueError(f"`{_API}`: `dense_below` must be a non-negative int.")
 
     def init(self, operator, options):
         if operator.in_size() != operator.out_size():
@@ -260,6 +285,12 @@ def _(operator, solver, options):
 @_factor.register(lx.TridiagonalLinearOperator)
 def _(operator, solver, options):
     lsolver = lx.Tridiagonal()
+    return _Delegate(operator, lsolver, lsolver.init(operator, options))
+
+
+def _dense(operator, options) -> _Delegate:
+    """LU of the dense matrix, for systems too small for their structure to pay."""
+    lsolver = lx.LU()
     return _Delegate(operator, lsolver, lsolver.init(operator, options))
 
 
@@ -361,6 +392,8 @@ def _(operator, solver, options):
             "entries (a zero Jacobian, such as that of `jnp.floor` or `jnp.sign`), so the "
             "linear system is singular. Check the function whose Jacobian this is."
         )
+    if m < solver.dense_below and "preconditioner" not in options:
+        return _dense(operator, options)
     if "preconditioner" not in options and m > 1:
         perm, inv, lower, upper = _banded_ordering(operator)
         width = max(lower, upper, 1)

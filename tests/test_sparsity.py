@@ -562,7 +562,8 @@ def _operators():
     list(_operators()),
     ids=lambda op: f"{type(op).__name__}_{op.in_size()}",
 )
-def test_operator_against_its_matrix(op):
+@pytest.mark.parametrize("dense_below", [0, None], ids=["structured", "default"])
+def test_operator_against_its_matrix(op, dense_below):
     A = np.asarray(op.as_matrix())
     v = jnp.asarray(np.random.RandomState(4).randn(*op.in_structure().shape))
     np.testing.assert_allclose(op.mv(v).reshape(-1), A @ np.asarray(v).reshape(-1), rtol=1e-12)
@@ -571,7 +572,8 @@ def test_operator_against_its_matrix(op):
     assert lx.materialise(op) is op and lx.linearise(op) is op
     b = jnp.asarray(np.random.RandomState(5).randn(*op.out_structure().shape))
     expected = np.linalg.solve(A, np.asarray(b).reshape(-1))
-    solver = dl.StructuredLinearSolver()
+    kwargs = {} if dense_below is None else {"dense_below": dense_below}
+    solver = dl.StructuredLinearSolver(**kwargs)
     x = lx.linear_solve(op, b, solver).value
     assert x.shape == op.in_structure().shape
     np.testing.assert_allclose(np.asarray(x).reshape(-1), expected, rtol=1e-8, atol=1e-9)
@@ -585,6 +587,51 @@ def test_operator_against_its_matrix(op):
         rtol=1e-8,
         atol=1e-9,
     )
+
+
+def _pollu_like(n, per_row=10, seed=0):
+    rng = np.random.RandomState(seed)
+    cols = np.stack([np.arange(n)] + [rng.randint(0, n, n) for _ in range(per_row - 1)])
+    values = jnp.asarray(rng.randn(n, per_row)).at[:, 0].add(per_row + 2)
+    return dl.SparseLinearOperator(values, cols, jax.ShapeDtypeStruct((n,), values.dtype))
+
+
+def test_small_sparse_is_solved_dense():
+    """A sparse operator of fewer than `dense_below` unknowns (a POLLU-like pattern of 20,
+    a periodic stencil of 32) is LU-factored dense, as measured faster; with
+    `dense_below=0` it takes the structured path. Both agree with a dense solve."""
+    from diffrax_linearize._linear_solver import _Delegate
+
+    ring = np.stack([(np.arange(32) + s) % 32 for s in (0, -1, 1)])
+    ring_values = jnp.asarray(np.random.RandomState(1).randn(32, 3)).at[:, 0].add(4.0)
+    stencil = dl.SparseLinearOperator(ring_values, ring, jax.ShapeDtypeStruct((32,), jnp.float64))
+    for op in (_pollu_like(20), stencil):
+        A = np.asarray(op.as_matrix())
+        b = jnp.asarray(np.random.RandomState(2).randn(op.in_size()))
+        expected = np.linalg.solve(A, np.asarray(b))
+        default = dl.StructuredLinearSolver()
+        assert default.dense_below == 128
+        state = default.init(op, {})
+        assert isinstance(state, _Delegate) and isinstance(state.solver, lx.LU)
+        structured = dl.StructuredLinearSolver(dense_below=0)
+        assert not isinstance(structured.init(op, {}), _Delegate)
+        for solver in (default, structured):
+            x = lx.linear_solve(op, b, solver).value
+            np.testing.assert_allclose(x, expected, rtol=1e-8, atol=1e-10)
+        # The transposed system, through LU's transpose.
+        t_state, _ = default.transpose(state, {})
+        xt, _, _ = default.compute(t_state, b, {})
+        np.testing.assert_allclose(xt, np.linalg.solve(A.T, np.asarray(b)), rtol=1e-8)
+        # In the compiled solve: LAPACK's LU, not the band's scan or GMRES's loop.
+        jaxpr = str(jax.make_jaxpr(lambda v: lx.linear_solve(op, v, default).value)(b))
+        assert "lu" in jaxpr and "while" not in jaxpr and "scan" not in jaxpr
+    # At the threshold and above, and with a preconditioner: the structured path.
+    big = _pollu_like(128)
+    assert not isinstance(dl.StructuredLinearSolver().init(big, {}), _Delegate)
+    options = {"preconditioner": lx.IdentityLinearOperator(stencil.in_structure())}
+    assert not isinstance(dl.StructuredLinearSolver().init(stencil, options), _Delegate)
+    with pytest.raises(ValueError, match="dense_below"):
+        dl.StructuredLinearSolver(dense_below=-1)
 
 
 @pytest.mark.slow

@@ -1,1 +1,4 @@
-from .rosenbrock import Rodas5P as Rodas5P
+from .rosenbrock import (
+    Rodas4P as Rodas4P,
+    Rodas5P as Rodas5P,
+)

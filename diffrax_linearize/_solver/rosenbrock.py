@@ -6,9 +6,11 @@ The Jacobian comes from the structure engine
 vector field is factored as such by [`diffrax_linearize.StructuredLinearSolver`][].
 """
 
-from typing import Any, ClassVar
+import dataclasses
+from typing import Any, ClassVar, TYPE_CHECKING
 
 import diffrax
+import equinox as eqx
 import jax
 import jax.flatten_util as jfu
 import jax.numpy as jnp
@@ -21,13 +23,56 @@ from .._linear_solver import StructuredLinearSolver
 from .._materialise import materialise_operator
 
 
-_API = "diffrax_linearize.Rodas5P"
+if TYPE_CHECKING:
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
 
-# Rodas5P in the W-transformed form of Hairer & Wanner (Solving ODEs II, section IV.7,
-# the variables u_i = sum_j gamma_ij k_j), coefficients of Steinebach (2023), as listed by
-# OrdinaryDiffEq.jl's `Rodas5PTableau`. Stages 6-8 are at t1, each adding its increment
-# to the last: after stage 7 the embedded order-4 solution, after stage 8 the order-5 one,
-# so k8 is the error estimate.
+
+@dataclasses.dataclass(frozen=True)
+class _RodasTableau:
+    r"""A stiffly accurate Rosenbrock method of the Rodas family in the W-transformed form
+    of Hairer & Wanner (*Solving ODEs II*, section IV.7: the variables
+    $u_i = \sum_j \gamma_{ij} k_j$), as OrdinaryDiffEq.jl's `RodasTableau` stores it.
+
+    Stage `i` solves $(I/\gamma - h J) u_i = h f(t_0 + c_i h, y_0 + \sum_j a_{ij} u_j) +
+    d_i h^2 \partial f / \partial t + \sum_j C_{ij} u_j$. The last row of `a` is the one
+    before it plus the previous stage's increment, and the solution is the last stage's
+    input plus its increment: the embedded solution is $y_0 + \sum_j a_{sj} u_j$ and
+    $u_s$ is the error estimate. Dense output:
+    $y(t_0 + \theta h) = (1 - \theta) y_0 + \theta (y_1 + (1 - \theta)(q_1 + \theta (q_2 +
+    \dots)))$ with $q_i = \sum_j H_{ij} u_j$.
+    """
+
+    gamma: float
+    a: np.ndarray  # (s, s), strictly lower triangular
+    C: np.ndarray  # (s, s), strictly lower triangular
+    c: np.ndarray  # (s,)
+    d: np.ndarray  # (s,)
+    H: np.ndarray  # (r, s)
+    order: int
+    dense_order: int
+
+    def __post_init__(self):
+        s = self.a.shape[0]
+        last = self.a[s - 2] + np.eye(s)[s - 2]
+        assert np.array_equal(self.a[s - 1], last) and self.c[s - 1] == 1
+
+    def adds_last(self, i: int) -> bool:
+        """Whether stage `i`'s input is stage `i - 1`'s plus its increment."""
+        return i > 0 and np.array_equal(self.a[i], self.a[i - 1] + np.eye(len(self.a))[i - 1])
+
+
+def _lower(rows, s: int) -> np.ndarray:
+    out = np.zeros((s, s))
+    for i, row in enumerate(rows, start=1):
+        out[i, : len(row)] = row
+    return out
+
+
+# Rodas5P: coefficients of Steinebach (2023), as listed by OrdinaryDiffEq.jl's
+# `Rodas5PTableau`. Stages 6-8 are at t1, each adding its increment to the last: after
+# stage 7 the embedded order-4 solution, after stage 8 the order-5 one.
 _GAMMA = 0.21193756319429014
 _A = [
     [3.0],
@@ -82,8 +127,6 @@ _D = [
     1.8046452872882734,
     2.325825639765069,
 ]
-# Dense output: y(t0 + s h) = (1 - s) y0 + s (y1 + (1 - s) (q1 + s (q2 + s q3))), with
-# q_i = sum_j H[i, j] k_j.
 _H = np.array(
     [
         [
@@ -120,12 +163,93 @@ _H = np.array(
 )
 
 
-class _Rodas5PInterpolation(AbstractLocalInterpolation):
+def _rodas5p() -> _RodasTableau:
+    a = _lower(_A, 8)
+    a[6] = a[5] + np.eye(8)[5]
+    a[7] = a[6] + np.eye(8)[6]
+    return _RodasTableau(
+        gamma=_GAMMA,
+        a=a,
+        C=_lower(_C, 8),
+        c=np.array(_CT + [1.0, 1.0, 1.0]),
+        d=np.array(_D + [0.0, 0.0, 0.0]),
+        H=_H,
+        order=5,
+        dense_order=4,
+    )
+
+
+# Rodas4P: coefficients of Steinebach (1995), as listed by OrdinaryDiffEq.jl's
+# `Rodas4PTableau` (from Hairer & Wanner's RODAS code with Steinebach's coefficients).
+# Stages 5 and 6 are at t1: after stage 5 the embedded order-3 solution, after stage 6 the
+# order-4 one.
+_RODAS4P = _RodasTableau(
+    gamma=0.25,
+    a=_lower(
+        [
+            [3.0],
+            [1.831036793486759, 0.4955183967433795],
+            [2.304376582692669, -0.05249275245743001, -1.176798761832782],
+            [-7.170454962423024, -4.741636671481785, -16.31002631330971, -1.062004044111401],
+            [
+                -7.170454962423024,
+                -4.741636671481785,
+                -16.31002631330971,
+                -1.062004044111401,
+                1.0,
+            ],
+        ],
+        6,
+    ),
+    C=_lower(
+        [
+            [-12.0],
+            [-8.791795173947035, -2.207865586973518],
+            [10.81793056857153, 6.780270611428266, 19.53485944642410],
+            [34.19095006749676, 15.49671153725963, 54.74760875964130, 14.16005392148534],
+            [
+                34.62605830930532,
+                15.30084976114473,
+                56.99955578662667,
+                18.40807009793095,
+                -5.714285714285717,
+            ],
+        ],
+        6,
+    ),
+    c=np.array([0.0, 0.75, 0.21, 0.63, 1.0, 1.0]),
+    d=np.array([0.25, -0.5, -0.023504, -0.0362, 0.0, 0.0]),
+    H=np.array(
+        [
+            [
+                25.09876703708589,
+                11.62013104361867,
+                28.49148307714626,
+                -5.664021568594133,
+                0.0,
+                0.0,
+            ],
+            [
+                1.638054557396973,
+                -0.7373619806678748,
+                8.477918219238990,
+                15.99253148779520,
+                -1.882352941176471,
+                0.0,
+            ],
+        ]
+    ),
+    order=4,
+    dense_order=3,
+)
+
+
+class _RodasInterpolation(AbstractLocalInterpolation):
     t0: Any
     t1: Any
     y0: Any
     y1: Any
-    q: Any  # the pytree of y, each leaf with a leading axis of 3
+    q: Any  # the pytree of y, each leaf with a leading axis of the tableau's rows of H
 
     def evaluate(self, t0, t1=None, left: bool = True):
         del left
@@ -137,29 +261,134 @@ class _Rodas5PInterpolation(AbstractLocalInterpolation):
             def _eval(y0, y1, q):
                 s_ = s.astype(y0.dtype)
                 r = 1 - s_
-                return r * y0 + s_ * (y1 + r * (q[0] + s_ * (q[1] + s_ * q[2])))
+                poly = q[-1]
+                for j in range(q.shape[0] - 2, -1, -1):
+                    poly = q[j] + s_ * poly
+                return r * y0 + s_ * (y1 + r * poly)
 
             return jtu.tree_map(_eval, self.y0, self.y1, self.q)
 
 
-def _check_ode(terms, t0, t1):
+def _check_ode(solver, terms, t0, t1):
     control = terms.contr(t0, t1)
     leaves = jtu.tree_leaves(control)
     if isinstance(terms, diffrax.MultiTerm) or len(leaves) != 1 or jnp.shape(leaves[0]) != ():
         raise TypeError(
-            f"`{_API}` solves ODEs: pass one `diffrax.ODETerm`. For an SDE (a "
-            "`diffrax.MultiTerm` with a `diffrax.ControlTerm`), use a stochastic solver such "
-            "as `diffrax_linearize.ImplicitEulerMaruyama` or "
+            f"`diffrax_linearize.{type(solver).__name__}` solves ODEs: pass one "
+            "`diffrax.ODETerm`. For an SDE (a `diffrax.MultiTerm` with a "
+            "`diffrax.ControlTerm`), use a stochastic solver such as "
+            "`diffrax_linearize.ImplicitEulerMaruyama` or "
             "`diffrax_linearize.ImplicitItoMilstein`."
         )
 
 
-class Rodas5P(AbstractAdaptiveSolver):
+class AbstractRodas(AbstractAdaptiveSolver):
+    r"""A stiffly accurate Rosenbrock method of the Rodas family, given by its tableau.
+
+    Each step materialises the Jacobian $J = \partial f / \partial y$ at $(t_0, y_0)$ once
+    (with [`diffrax_linearize.materialise_operator`][], keeping a block-diagonal, banded or
+    sparse structure), factors $W = I / (h \gamma) - J$ once (scaled by $h$: $I/\gamma -
+    h J$) and solves every linear stage with that factorisation: no Newton iterations.
+    The order conditions assume the exact Jacobian, which is what the structure engine
+    gives. A non-autonomous vector field's $\partial f / \partial t$ is one `jax.jvp` in
+    $t$. The error estimate is the last stage's increment, the difference between the
+    solution and the embedded one (both stiffly accurate: the last stages are at $t_1$),
+    as in OrdinaryDiffEq.jl; use it with a `diffrax.PIDController`.
+
+    For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
+    float32 or float64 (it is flattened with `jax.flatten_util.ravel_pytree`; a single
+    array keeps its Jacobian's structure).
+    """
+
+    linear_solver: eqx.AbstractVar[lx.AbstractLinearSolver]
+    tableau: AbstractClassVar[_RodasTableau]
+
+    term_structure: ClassVar = diffrax.AbstractTerm
+    interpolation_cls: ClassVar = _RodasInterpolation
+
+    def order(self, terms):
+        return self.tableau.order
+
+    def init(self, terms, t0, t1, y0, args):
+        _check_ode(self, terms, t0, t1)
+        return None
+
+    def func(self, terms, t0, y0, args):
+        return terms.vf(t0, y0, args)
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        del solver_state, made_jump
+        _check_ode(self, terms, t0, t1)
+        tab = self.tableau
+        flat0, unravel = jfu.ravel_pytree(y0)
+        dtype = flat0.dtype
+        t0 = jnp.asarray(t0)
+        h = jnp.asarray(t1) - t0
+        control = terms.contr(t0, t1)
+
+        # The increment g = f dt (`vf_prod`, so that a reversed-time solve's
+        # `diffrax.WrapTerm`, whose control is negative, is handled as Diffrax does):
+        # the stages then read (I/gamma - dg/dy) k_i = g(t_i, Y_i) + d_i h dg/dt + sum_j
+        # C_ij k_j, the W-transformed form with the step size scaled out.
+        def g(t, flat):
+            out = terms.vf_prod(t, unravel(flat), args, control)
+            out_flat, _ = jfu.ravel_pytree(out)
+            return out_flat.astype(dtype)
+
+        # W = I/gamma - h J as one materialised operator: the structure engine sees the
+        # identity, so W keeps J's block, band or sparsity pattern (with its diagonal).
+        gamma = tab.gamma
+        W = materialise_operator(lambda y, _: y / gamma - g(t0, y), flat0, None)
+        state = self.linear_solver.init(W, {})
+
+        def solve(b):
+            return lx.linear_solve(W, b, self.linear_solver, state=state, throw=False)
+
+        g0, dgdt = jax.jvp(lambda t: g(t, flat0), (t0,), (jnp.ones_like(t0),))
+        with jax.numpy_dtype_promotion("standard"):
+            h_dgdt = (h * dgdt).astype(dtype)
+
+        def combine(coefficients, ks):
+            return sum(float(a) * k for a, k in zip(coefficients, ks) if a != 0)
+
+        ks = []
+        result = RESULTS.successful
+        y_stage = flat0
+        for i in range(len(tab.c)):
+            if i == 0:
+                fi = g0
+            else:
+                if tab.adds_last(i):
+                    y_stage = y_stage + ks[-1]
+                else:
+                    y_stage = flat0 + combine(tab.a[i], ks)
+                fi = g(t0 + float(tab.c[i]) * h, y_stage)
+            b = fi
+            if tab.d[i] != 0:
+                b = b + float(tab.d[i]) * h_dgdt
+            if i > 0:
+                b = b + combine(tab.C[i], ks)
+            sol = solve(b)
+            ks.append(sol.value)
+            result = RESULTS.where(
+                result == RESULTS.successful, RESULTS.promote(sol.result), result
+            )
+        flat1 = y_stage + ks[-1]
+        k = jnp.stack(ks)
+        q = jnp.asarray(tab.H, dtype) @ k
+        y1 = unravel(flat1)
+        y_error = unravel(ks[-1])
+        qs = jax.vmap(unravel)(q)
+        dense_info = dict(y0=y0, y1=y1, q=qs)
+        return y1, y_error, dense_info, None, result
+
+
+class Rodas5P(AbstractRodas):
     r"""Rodas5P, a stiffly accurate Rosenbrock method of order 5 with an embedded method
-    of order 4 (G. Steinebach, *Construction of Rosenbrock-Wanner method Rodas5P and
-    numerical benchmarks within the Julia Differential Equations package*, BIT Numerical
-    Mathematics 63, 27 (2023); coefficients as in OrdinaryDiffEq.jl, which recommends it
-    for stiff problems at moderate to tight tolerances).
+    of order 4 and 8 stages (G. Steinebach, *Construction of Rosenbrock-Wanner method
+    Rodas5P and numerical benchmarks within the Julia Differential Equations package*, BIT
+    Numerical Mathematics 63, 27 (2023); coefficients as in OrdinaryDiffEq.jl, which
+    recommends it for stiff problems at moderate to tight tolerances).
 
     Each step materialises the Jacobian $J = \partial f / \partial y$ at $(t_0, y_0)$ once
     (with [`diffrax_linearize.materialise_operator`][], keeping a block-diagonal, banded or
@@ -208,80 +437,52 @@ class Rodas5P(AbstractAdaptiveSolver):
     """
 
     linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
+    tableau: ClassVar[_RodasTableau] = _rodas5p()
 
-    term_structure: ClassVar = diffrax.AbstractTerm
-    interpolation_cls: ClassVar = _Rodas5PInterpolation
 
-    def order(self, terms):
-        return 5
+class Rodas4P(AbstractRodas):
+    r"""Rodas4P, a stiffly accurate Rosenbrock method of order 4 with an embedded method
+    of order 3 and 6 stages: Hairer & Wanner's RODAS (*Solving Ordinary Differential
+    Equations II*, section IV.7) with the coefficients of G. Steinebach, *Order-reduction
+    of ROW-methods for DAEs and method of lines applications*, Preprint 1741, FB
+    Mathematik, TH Darmstadt (1995), chosen so that the order does not drop on
+    semi-discretised parabolic problems and DAEs of index one (coefficients as listed by
+    OrdinaryDiffEq.jl's `Rodas4PTableau`).
 
-    def init(self, terms, t0, t1, y0, args):
-        _check_ode(terms, t0, t1)
-        return None
+    One Jacobian, one factorisation and six linear solves per step, against
+    [`diffrax_linearize.Rodas5P`][]'s eight: cheaper per step, for loose to moderate
+    tolerances. As [`diffrax_linearize.Rodas5P`][] in everything else:
 
-    def func(self, terms, t0, y0, args):
-        return terms.vf(t0, y0, args)
+    - **Error estimate:** the increment of the sixth stage, the difference between the
+      order-4 solution and the embedded order-3 one (stages 5 and 6 are at $t_1$).
+    - **Interpolation:** Rodas4P's own dense output, $y(t_0 + s h) = (1 - s) y_0 + s (y_1 +
+      (1 - s)(q_1 + s q_2))$, a degree-3 polynomial, order 3.
 
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
-        del solver_state, made_jump
-        _check_ode(terms, t0, t1)
-        flat0, unravel = jfu.ravel_pytree(y0)
-        dtype = flat0.dtype
-        t0 = jnp.asarray(t0)
-        h = jnp.asarray(t1) - t0
-        control = terms.contr(t0, t1)
+    **Arguments:**
 
-        # The increment g = f dt (`vf_prod`, so that a reversed-time solve's
-        # `diffrax.WrapTerm`, whose control is negative, is handled as Diffrax does):
-        # the stages then read (I/gamma - dg/dy) k_i = g(t_i, Y_i) + d_i h dg/dt + sum_j
-        # C_ij k_j, the W-transformed form with the step size scaled out.
-        def g(t, flat):
-            out = terms.vf_prod(t, unravel(flat), args, control)
-            out_flat, _ = jfu.ravel_pytree(out)
-            return out_flat.astype(dtype)
+    - `linear_solver`: the `lineax` solver that factors $W$;
+        [`diffrax_linearize.StructuredLinearSolver`][] by default.
 
-        # W = I/gamma - h J as one materialised operator: the structure engine sees the
-        # identity, so W keeps J's block, band or sparsity pattern (with its diagonal).
-        W = materialise_operator(lambda y, _: y / _GAMMA - g(t0, y), flat0, None)
-        state = self.linear_solver.init(W, {})
+    ```python
+    import diffrax
+    import jax.numpy as jnp
+    import diffrax_linearize as dl
 
-        def solve(b):
-            return lx.linear_solve(W, b, self.linear_solver, state=state, throw=False)
+    def robertson(t, y, args):
+        y1, y2, y3 = y
+        return jnp.stack([
+            -0.04 * y1 + 1e4 * y2 * y3,
+            0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2,
+            3e7 * y2**2,
+        ])
 
-        g0, dgdt = jax.jvp(lambda t: g(t, flat0), (t0,), (jnp.ones_like(t0),))
-        with jax.numpy_dtype_promotion("standard"):
-            h_dgdt = (h * dgdt).astype(dtype)
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(robertson), dl.Rodas4P(), t0=0.0, t1=100.0, dt0=1e-4,
+        y0=jnp.array([1.0, 0.0, 0.0]),
+        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-10),
+    )
+    ```
+    """
 
-        ks = []
-        result = RESULTS.successful
-        y_stage = flat0
-        for i in range(8):
-            if i == 0:
-                fi = g0
-            elif i < 5:
-                y_stage = flat0 + sum(a * k for a, k in zip(_A[i - 1], ks))
-                fi = g(t0 + _CT[i] * h, y_stage)
-            elif i == 5:
-                y_stage = flat0 + sum(a * k for a, k in zip(_A[4], ks))
-                fi = g(t0 + h, y_stage)
-            else:
-                y_stage = y_stage + ks[-1]
-                fi = g(t0 + h, y_stage)
-            b = fi
-            if i < 5:
-                b = b + _D[i] * h_dgdt
-            if i > 0:
-                b = b + sum(c * k for c, k in zip(_C[i - 1], ks))
-            sol = solve(b)
-            ks.append(sol.value)
-            result = RESULTS.where(
-                result == RESULTS.successful, RESULTS.promote(sol.result), result
-            )
-        flat1 = y_stage + ks[-1]
-        k = jnp.stack(ks)
-        q = jnp.asarray(_H, dtype) @ k
-        y1 = unravel(flat1)
-        y_error = unravel(ks[-1])
-        qs = jax.vmap(unravel)(q)
-        dense_info = dict(y0=y0, y1=y1, q=qs)
-        return y1, y_error, dense_info, None, result
+    linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
+    tableau: ClassVar[_RodasTableau] = _RODAS4P
