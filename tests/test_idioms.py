@@ -188,7 +188,7 @@ def test_at_most_twice_nonzeros(name):
 
 
 @pytest.mark.slow  # the default run checks each field once, in test_not_dense
-@pytest.mark.parametrize("name", _params(_SPARSE, _STILL_DENSE))
+@pytest.mark.parametrize("name", _SPARSE)
 def test_report_matches_operator(name):
     # The report's kind and count come from the storage decision the operator is built by.
     fn, shape = _CASES[name]
