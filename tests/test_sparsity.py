@@ -555,6 +555,17 @@ def _operators():
     # the Gauss-Jordan loop of small blocks.
     wide = jnp.asarray(rng.randn(5, 40)).at[2].add(8.0)
     yield dl.BandedLinearOperator(wide, (-9, -1, 0, 1, 9))
+    # Rows of 1 to 12 entries (row 0 dense), compressed by rows.
+    mask = (rng.rand(n, n) < 0.2) | np.eye(n, dtype=bool)
+    mask[0] = True
+    rows, indices = np.nonzero(mask)
+    dense = rng.randn(n, n) + 6 * np.eye(n)
+    yield dl.CSRLinearOperator(
+        jnp.asarray(dense[rows, indices]),
+        indices,
+        np.concatenate([[0], np.cumsum(mask.sum(1))]),
+        jax.ShapeDtypeStruct((3, 4), jnp.float64),
+    )
 
 
 @pytest.mark.parametrize(
