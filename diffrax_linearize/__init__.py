@@ -28,6 +28,7 @@ from ._materialise import (
 from ._operators import (
     BandedLinearOperator as BandedLinearOperator,
     BlockDiagonalLinearOperator as BlockDiagonalLinearOperator,
+    CSRLinearOperator as CSRLinearOperator,
     SparseLinearOperator as SparseLinearOperator,
 )
 from ._root_finder import Newton as Newton, VeryChord as VeryChord

@@ -1,6 +1,7 @@
 """A lineax solver that exploits the structure of the operators `materialise_operator`
 returns: one batched LU for block-diagonal matrices, a block-tridiagonal LU for banded
-ones, GMRES with a diagonal preconditioner for other sparse patterns, lineax's own solvers
+ones, a reordering to a band or GMRES with a diagonal preconditioner for other sparse
+patterns (ELLPACK or CSR), lineax's own solvers
 for identity, diagonal and tridiagonal operators, and LU for dense ones."""
 
 import functools as ft
@@ -15,8 +16,10 @@ import lineax as lx
 import numpy as np
 
 from ._operators import (
+    _row_ids,
     BandedLinearOperator,
     BlockDiagonalLinearOperator,
+    CSRLinearOperator,
     SparseLinearOperator,
     StaticArray,
 )
@@ -164,14 +167,15 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
       `k`;
     - [`diffrax_linearize.BandedLinearOperator`][]: a block-tridiagonal LU factorisation
       with blocks of the bandwidth $w$ (partial pivoting inside each block), $O(n w^2)$;
-    - [`diffrax_linearize.SparseLinearOperator`][] of fewer than `dense_below` (128)
+    - [`diffrax_linearize.SparseLinearOperator`][] and
+      [`diffrax_linearize.CSRLinearOperator`][] of fewer than `dense_below` (128)
       unknowns: LU of the dense matrix, which is faster at that size whatever the
       pattern;
-    - larger [`diffrax_linearize.SparseLinearOperator`][]s (for example a stencil on a
-      periodic 2D grid, whose flattened bandwidth is the whole grid): the unknowns are reordered by
-      reverse Cuthill-McKee (from the static pattern, at trace time), and where that makes
-      the matrix banded with a band cheap to factor ($n w^2 \le 10^6$) it is
-      factored as one: on an `n x n` periodic grid the band is about `4 n`. Otherwise,
+    - larger ones (a stencil on a periodic 2D grid, whose flattened bandwidth is the whole
+      grid; a graph, a reaction network): the unknowns are reordered by reverse
+      Cuthill-McKee (from the static pattern, at trace time), and where that makes the
+      matrix banded with a band cheap to factor ($n w^2 \le 10^6$) it is factored as one:
+      on an `n x n` periodic grid the band is about `4 n`. Otherwise,
       or when a `preconditioner` is passed in `options`: restarted GMRES, preconditioned by
       the inverse of the diagonal (or that preconditioner);
     - `lineax.IdentityLinearOperator`, `lineax.DiagonalLinearOperator`,
@@ -203,13 +207,13 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
     ):
         """**Arguments:**
 
-        - `dense_below`: a [`diffrax_linearize.SparseLinearOperator`][] with fewer than
-          this many unknowns is made dense and LU-factored, whatever its pattern: for
-          small systems the reordered band and GMRES cost more than dense LU (measured by
-          `python -m benchmarks linear-crossover`; the crossover lies between 96 and 192
-          unknowns). Block-diagonal and banded operators keep their factorisation at every
-          size: it is faster than dense LU from a few unknowns on. `0` keeps every
-          structure; a `preconditioner` in `options` always takes GMRES.
+        - `dense_below`: a [`diffrax_linearize.SparseLinearOperator`][] or
+          [`diffrax_linearize.CSRLinearOperator`][] with fewer than this many unknowns is made dense
+          and LU-factored, whatever its pattern: for small systems the reordered band and GMRES cost
+          more than dense LU (measured by `python -m benchmarks linear-crossover`; the crossover
+          lies between 96 and 192 unknowns). Block-diagonal and banded operators keep their
+          factorisation at every size: it is faster than dense LU from a few unknowns on. `0` keeps
+          every structure; a `preconditioner` in `options` always takes GMRES.
 
         The others are used by the GMRES path only; the factorisations are direct.
 
@@ -353,16 +357,13 @@ def _(operator, solver, options):
 _DIRECT_FLOPS = 1e6
 
 
-def _banded_ordering(operator: SparseLinearOperator):
-    """A reverse Cuthill-McKee ordering of the unknowns (from the static pattern, at trace
-    time) and the bandwidths of the reordered matrix."""
+def _banded_ordering(rows, cols, m: int):
+    """A reverse Cuthill-McKee ordering of the `m` unknowns of the static pattern `(rows,
+    cols)` (at trace time) and the bandwidths of the reordered matrix."""
     import scipy.sparse as sp
     from scipy.sparse.csgraph import reverse_cuthill_mckee
 
-    m, S = operator.values.shape
-    cols = operator.columns.array.T
-    rows = np.broadcast_to(np.arange(m)[:, None], (m, S))
-    pattern = sp.csr_matrix((np.ones(rows.size, np.int8), (rows.ravel(), cols.ravel())), (m, m))
+    pattern = sp.csr_matrix((np.ones(rows.size, np.int8), (rows, cols)), (m, m))
     perm = np.asarray(reverse_cuthill_mckee(pattern + pattern.T, symmetric_mode=True))
     inv = np.argsort(perm)
     off = inv[cols] - inv[rows]
@@ -383,39 +384,55 @@ class _Permuted(_State):
         return jnp.reshape(x, self.operator.in_structure().shape), result, stats
 
 
-@_factor.register(SparseLinearOperator)
-def _(operator, solver, options):
-    m, S = operator.values.shape
-    if S == 0:
+def _factor_sparse(operator, rows, cols, values, diagonal, solver, options):
+    """The sparse path, for the entries `values` at the static `(rows, cols)` of a square
+    operator of `m` unknowns: reordered to a band and factored where that is cheap, else
+    GMRES preconditioned by the inverse of `diagonal` (or the preconditioner in
+    `options`)."""
+    m = operator.out_size()
+    if rows.size == 0:
         raise ValueError(
-            "`diffrax_linearize.StructuredLinearSolver`: the `SparseLinearOperator` has no "
-            "entries (a zero Jacobian, such as that of `jnp.floor` or `jnp.sign`), so the "
-            "linear system is singular. Check the function whose Jacobian this is."
+            f"`{_API}`: the `{type(operator).__name__}` has no entries (a zero Jacobian, such "
+            "as that of `jnp.floor` or `jnp.sign`), so the linear system is singular. Check "
+            "the function whose Jacobian this is."
         )
     if m < solver.dense_below and "preconditioner" not in options:
         return _dense(operator, options)
     if "preconditioner" not in options and m > 1:
-        perm, inv, lower, upper = _banded_ordering(operator)
+        perm, inv, lower, upper = _banded_ordering(rows, cols, m)
         width = max(lower, upper, 1)
         if width < m // 2 and m * width**2 <= _DIRECT_FLOPS:
-            rows = np.broadcast_to(np.arange(m)[:, None], (m, S))
-            cols = operator.columns.array.T
-            values = jnp.reshape(operator.values, (-1,))
-            inner = _block_tridiagonal_lu(
-                operator, inv[rows].ravel(), inv[cols].ravel(), values, m, width
-            )
+            inner = _block_tridiagonal_lu(operator, inv[rows], inv[cols], values, m, width)
             return _Permuted(operator, inner, StaticArray(perm), StaticArray(inv))
     # Jacobi: the diagonal read off the pattern, as `jacobian_diagonal` reads it.
-    d = compressed_diagonal(operator.values, operator.columns.array)
     structure = operator.in_structure()
+    d = diagonal
     inv_d = jnp.reshape(jnp.where(d == 0, 1, 1 / jnp.where(d == 0, 1, d)), structure.shape)
     preconditioner = lx.FunctionLinearOperator(lambda v: v * inv_d, structure)
     if "preconditioner" in options:
         preconditioner = options["preconditioner"]
     gmres = lx.GMRES(
-        rtol=max(solver.rtol, resolution(operator.values.dtype)),
+        rtol=max(solver.rtol, resolution(values.dtype)),
         atol=solver.atol,
         restart=solver.restart,
         max_steps=solver.max_steps,
     )
     return _Krylov(operator, preconditioner, gmres)
+
+
+@_factor.register(SparseLinearOperator)
+def _(operator, solver, options):
+    m, S = operator.values.shape
+    rows = np.broadcast_to(np.arange(m)[:, None], (m, S)).ravel()
+    cols = operator.columns.array.T.ravel()
+    values = jnp.reshape(operator.values, (-1,))
+    diagonal = compressed_diagonal(operator.values, operator.columns.array)
+    return _factor_sparse(operator, rows, cols, values, diagonal, solver, options)
+
+
+@_factor.register(CSRLinearOperator)
+def _(operator, solver, options):
+    rows, cols = _row_ids(operator.indptr), operator.indices.array
+    return _factor_sparse(
+        operator, rows, cols, operator.values, operator.diagonal(), solver, options
+    )

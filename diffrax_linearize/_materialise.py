@@ -663,9 +663,11 @@ def materialise_operator(
     `lineax.IdentityLinearOperator`, a scaled identity or diagonal a
     `lineax.DiagonalLinearOperator`, a block-diagonal, banded or other sparse pattern a
     [`diffrax_linearize.BlockDiagonalLinearOperator`][],
-    `lineax.TridiagonalLinearOperator`, [`diffrax_linearize.BandedLinearOperator`][] or
-    [`diffrax_linearize.SparseLinearOperator`][] (one with no entries for a zero Jacobian,
-    such as `jnp.floor`'s; solve them with
+    `lineax.TridiagonalLinearOperator`, [`diffrax_linearize.BandedLinearOperator`][],
+    [`diffrax_linearize.SparseLinearOperator`][] (ELLPACK: one with no entries for a zero
+    Jacobian, such as `jnp.floor`'s) or [`diffrax_linearize.CSRLinearOperator`][] (rows
+    of uneven lengths: the first of these that stores at most twice the pattern's
+    nonzeros, else CSR; solve them with
     [`diffrax_linearize.StructuredLinearSolver`][]), a dense map of vectors a
     `lineax.MatrixLinearOperator`, anything else a `lineax.PyTreeLinearOperator`. With
     pytrees in or out, a `lineax.PyTreeLinearOperator` of the whole Jacobian (its structure

@@ -1,8 +1,9 @@
 """Linear operators for the sparse structures the engine finds: block-diagonal, banded and
-general row-compressed (ELL) matrices, registered with lineax's `singledispatch` functions
-as lineax registers its own operators. Each acts on arrays of any shape (its input and
-output structures), as a matrix on their flattened forms, and stores O(nonzeros) numbers in
-its array leaves: the pattern (offsets, column indices) is static."""
+general row-compressed matrices (ELLPACK for even rows, CSR for uneven ones), registered
+with lineax's `singledispatch` functions as lineax registers its own operators. Each acts
+on arrays of any shape (its input and output structures), as a matrix on their flattened
+forms, and stores at most twice its nonzeros in its array leaves: the pattern (offsets,
+column indices) is static."""
 
 import functools as ft
 import hashlib
@@ -297,7 +298,159 @@ class SparseLinearOperator(lx.AbstractLinearOperator):
         return compressed_diagonal(self.values, self.columns.array)
 
 
-_OPERATORS = (BlockDiagonalLinearOperator, BandedLinearOperator, SparseLinearOperator)
+@ft.lru_cache(maxsize=64)
+def _row_ids(indptr: StaticArray) -> np.ndarray:
+    """The row of each entry of a CSR pattern, at trace time."""
+    counts = np.diff(indptr.array)
+    return np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+
+
+class CSRLinearOperator(lx.AbstractLinearOperator):
+    """A sparse matrix in compressed sparse row (CSR) form, laid out as
+    `scipy.sparse.csr_array` lays it out: the entries of row `r` are
+    `values[indptr[r]:indptr[r + 1]]`, in the columns `indices[indptr[r]:indptr[r + 1]]`.
+    The indices are static (NumPy, known at trace time), the values traced. It holds one
+    number per nonzero however uneven its rows are, where
+    [`diffrax_linearize.SparseLinearOperator`][] (ELLPACK) holds as many in every row as
+    the longest row has: a graph with hubs, or a reaction network in which a few species
+    take part in most reactions. [`diffrax_linearize.materialise_operator`][] returns it
+    for patterns that no other storage holds in at most twice their nonzeros.
+
+    Acts on arrays of any shape, flattened in row-major order. `mv` is a gather and a
+    sorted segment sum, $O(\\mathrm{nnz})$; the transpose is a static permutation of the
+    values (the matrix's CSC form, read as CSR).
+
+    Solved by [`diffrax_linearize.StructuredLinearSolver`][] as a
+    `SparseLinearOperator` is: reordered to a band and factored where that band is narrow,
+    otherwise by GMRES preconditioned by the inverse of its diagonal.
+    """
+
+    values: Inexact[Array, " nnz"]
+    indices: StaticArray = eqx.field(static=True)
+    indptr: StaticArray = eqx.field(static=True)
+    input_structure: jax.ShapeDtypeStruct = eqx.field(static=True)
+    output_structure: jax.ShapeDtypeStruct = eqx.field(static=True)
+
+    def __init__(self, values, indices, indptr, input_structure, output_structure=None):
+        """**Arguments:**
+
+        - `values`: an array of shape `(nnz,)`.
+        - `indices`: a NumPy integer array of shape `(nnz,)`: the flat input index
+          (column) of each entry. A (row, column) pair appears at most once.
+        - `indptr`: a NumPy integer array of shape `(m + 1,)`, non-decreasing from `0` to
+          `nnz`: row `r` holds the entries `indptr[r]` to `indptr[r + 1] - 1`.
+        - `input_structure`: a `jax.ShapeDtypeStruct` of the arrays the operator acts on.
+        - `output_structure`: of the arrays it returns (default: vectors of `m` elements).
+        """
+        api = "`diffrax_linearize.CSRLinearOperator`"
+        values = jnp.asarray(values)
+        indices = np.asarray(indices)
+        indptr = np.asarray(indptr)
+        if not (
+            np.issubdtype(indices.dtype, np.integer) and np.issubdtype(indptr.dtype, np.integer)
+        ):
+            raise TypeError(
+                f"{api}: `indices` and `indptr` must be integer NumPy arrays (known at trace time)."
+            )
+        nnz = values.shape[0] if values.ndim == 1 else -1
+        if values.ndim != 1 or indices.shape != (nnz,) or indptr.ndim != 1 or not len(indptr):
+            raise ValueError(
+                f"{api}: `values` and `indices` must have shape (nnz,) and `indptr` shape "
+                f"(m + 1,); got {values.shape}, {indices.shape} and {indptr.shape}."
+            )
+        steps = np.diff(indptr)
+        if indptr[0] != 0 or indptr[-1] != nnz or (steps < 0).any():
+            raise ValueError(
+                f"{api}: `indptr` must rise from 0 to the number of entries ({nnz}), never falling."
+            )
+        n_in = math.prod(input_structure.shape)
+        if nnz and (indices.min() < 0 or indices.max() >= n_in):
+            raise ValueError(f"{api}: `indices` must lie in [0, {n_in}), the size of the input.")
+        m = len(indptr) - 1
+        rows = np.repeat(np.arange(m, dtype=np.int64), steps)
+        keys = rows * max(n_in, 1) + indices
+        if len(np.unique(keys)) != nnz:
+            raise ValueError(
+                f"{api}: a (row, column) pair appears more than once; sum those entries into one."
+            )
+        self.values = values
+        self.indices = StaticArray(indices.astype(np.int32))
+        self.indptr = StaticArray(indptr.astype(np.int64))
+        self.input_structure = input_structure
+        if output_structure is None:
+            output_structure = jax.ShapeDtypeStruct((m,), values.dtype)
+        self.output_structure = output_structure
+        _structs_match(self, n_in, m)
+
+    @property
+    def nnz(self) -> int:
+        """The number of entries stored."""
+        return self.indices.array.shape[0]
+
+    def mv(self, vector):
+        x = _flat(vector).astype(self.values.dtype)
+        m = self.indptr.array.shape[0] - 1
+        y = jax.ops.segment_sum(
+            self.values * x[self.indices.array],
+            _row_ids(self.indptr),
+            num_segments=m,
+            indices_are_sorted=True,
+        )
+        return jnp.reshape(y, self.output_structure.shape).astype(self.output_structure.dtype)
+
+    def as_matrix(self):
+        m = self.indptr.array.shape[0] - 1
+        n = math.prod(self.input_structure.shape)
+        out = jnp.zeros((m, n), self.values.dtype)
+        return out.at[_row_ids(self.indptr), self.indices.array].set(self.values)
+
+    def transpose(self):
+        n = math.prod(self.input_structure.shape)
+        cols = self.indices.array
+        order = np.argsort(cols, kind="stable")  # by column, rows ascending within each
+        indptr = np.concatenate([[0], np.cumsum(np.bincount(cols, minlength=n))])
+        return CSRLinearOperator(
+            self.values[order],
+            _row_ids(self.indptr)[order],
+            indptr,
+            self.output_structure,
+            self.input_structure,
+        )
+
+    def in_structure(self):
+        return self.input_structure
+
+    def out_structure(self):
+        return self.output_structure
+
+    def diagonal(self, offset: int = 0):
+        """The diagonal `offset` of the flattened matrix (`0` the main one, `1` the first
+        above it, `-1` the first below it), as `jnp.diagonal` gives it: a gather of the
+        entries on it, zero where the pattern has none."""
+        m = self.indptr.array.shape[0] - 1
+        n = math.prod(self.input_structure.shape)
+        rows, cols = _row_ids(self.indptr), self.indices.array
+        length = max(0, min(m, n - offset) if offset >= 0 else min(m + offset, n))
+        # Entry (r, c) lies on it at position min(r, c) when c - r == offset.
+        on = np.flatnonzero(cols.astype(np.int64) - rows == offset)
+        pick = np.full((length,), self.nnz, np.int64)
+        pick[np.minimum(rows[on], cols[on])] = on
+        padded = jnp.concatenate([self.values, jnp.zeros((1,), self.values.dtype)])
+        return padded[pick]
+
+    def _pattern_within(self, lower: int, upper: int) -> bool:
+        if self.input_structure.shape != self.output_structure.shape:
+            return False
+        off = self.indices.array.astype(np.int64) - _row_ids(self.indptr)
+        return bool(((off >= -lower) & (off <= upper)).all())
+
+
+_OPERATORS = (
+    BlockDiagonalLinearOperator,
+    BandedLinearOperator,
+    SparseLinearOperator,
+    CSRLinearOperator,
+)
 
 
 def _register(fn, *types):
@@ -333,7 +486,17 @@ def _(operator):
     return operator.diagonal()
 
 
-@_register(lx.tridiagonal, *_OPERATORS)
+@_register(lx.diagonal, CSRLinearOperator)
+def _(operator):
+    return operator.diagonal()
+
+
+@_register(lx.tridiagonal, CSRLinearOperator)
+def _(operator):
+    return operator.diagonal(), operator.diagonal(-1), operator.diagonal(1)
+
+
+@_register(lx.tridiagonal, BlockDiagonalLinearOperator, BandedLinearOperator, SparseLinearOperator)
 def _(operator):
     matrix = operator.as_matrix()
     return (
@@ -371,6 +534,27 @@ def _(operator):
 @_register(lx.is_upper_triangular, BandedLinearOperator)
 def _(operator):
     return min(operator.offsets) >= 0
+
+
+# The pattern of a CSR matrix is its own (no padding), so it decides these.
+@_register(lx.is_diagonal, CSRLinearOperator)
+def _(operator):
+    return operator._pattern_within(0, 0)
+
+
+@_register(lx.is_tridiagonal, CSRLinearOperator)
+def _(operator):
+    return operator._pattern_within(1, 1)
+
+
+@_register(lx.is_lower_triangular, CSRLinearOperator)
+def _(operator):
+    return operator._pattern_within(operator.in_size(), 0)
+
+
+@_register(lx.is_upper_triangular, CSRLinearOperator)
+def _(operator):
+    return operator._pattern_within(0, operator.in_size())
 
 
 # Properties that the structure does not decide are reported as unknown (`False`), as
@@ -414,17 +598,18 @@ def _(operator):
     )
 
 
-del ft
+@_register(lx.conj, CSRLinearOperator)
+def _(operator):
+    return CSRLinearOperator(
+        operator.values.conj(),
+        operator.indices.array,
+        operator.indptr.array,
+        operator.input_structure,
+        operator.output_structure,
+    )
 
 
 # ---- from the engine's blocks -------------------------------------------------------------
-
-
-def _block_size(rows, cols, n) -> int | None:
-    for k in range(1, n):
-        if n % k == 0 and (rows // k == cols // k).all():
-            return k
-    return None
 
 
 def _assemble(values, target, live, size: int, period: int):
@@ -469,46 +654,66 @@ def _assemble(values, target, live, size: int, period: int):
     return out.reshape(m, size)
 
 
+def _compress_rows(values, columns, live, n: int):
+    """The CSR form `(values, indices, indptr)` of the row-compressed matrix with `values`
+    of shape `(rows, E)` and static `columns`, `live` of shape `(E, rows)`: its live entries
+    in row-major order, the slots of a row that share a column summed into one."""
+    m, E = values.shape
+    src = np.flatnonzero(np.asarray(live).T)  # into `values` flattened, row by row
+    keys = (src // max(E, 1)) * np.int64(max(n, 1)) + np.asarray(columns).T.reshape(-1)[src]
+    order = np.argsort(keys, kind="stable")
+    keys, src = keys[order], src[order]
+    first = np.concatenate([[True], keys[1:] != keys[:-1]])
+    unique = keys[first]
+    flat = jnp.reshape(values, (-1,))
+    out = flat[src[first]]
+    if not first.all():  # slots that repeat a column of their row, added in slot order
+        slot = np.cumsum(first) - 1
+        out = out.at[slot[~first]].add(flat[src[~first]], indices_are_sorted=True)
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(unique // max(n, 1), minlength=m))])
+    return out, unique % max(n, 1), indptr
+
+
 def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLinearOperator:
     """The lineax operator of a row-compressed block (one with an `Ell`): block-diagonal,
-    tridiagonal, banded, or general sparse, whichever its static pattern is."""
-    from ._sparsity import flat_entries
+    tridiagonal, banded, ELLPACK or CSR, whichever `storage_plan` picks for its static
+    pattern (the one that `structure_report` describes)."""
+    from ._sparsity import flat_entries, storage_plan
 
     values, columns, live = flat_entries(block)
     values = jnp.asarray(values, output_structure.dtype)
     m = values.shape[0]
     n = math.prod(input_structure.shape)
-    if m == n and m > 1:
-        rows_of = np.broadcast_to(np.arange(m), columns.shape)
-        rows, cols = rows_of[live], columns[live]
-        k = _block_size(rows, cols, n) if len(rows) else 1
-        if k is not None and k <= 256:
-            # Row r's slots land in block r // k, at (r % k, column % k).
-            blocks = _assemble(values, columns % k, live, k, k).reshape(n // k, k, k)
-            return BlockDiagonalLinearOperator(blocks, input_structure, output_structure)
-        off = cols.astype(np.int64) - rows
-        lower, upper = int(max(0, -off.min())), int(max(0, off.max()))
-        width = max(lower, upper)
-        if width <= 4 * math.isqrt(n) and width < n // 2:
-            # Only the diagonals the pattern uses: a 2D stencil on a grid of rows of
-            # length r has five, at offsets 0, +-1 and +-r, not the 2r + 1 of its band.
-            offsets = tuple(int(d) for d in np.unique(off))
-            index = np.searchsorted(np.asarray(offsets), columns.astype(np.int64) - rows_of)
-            diagonals = _assemble(values, index, live, len(offsets), 1).T  # (D, n)
-            if (
-                set(offsets) <= {-1, 0, 1}
-                and len(input_structure.shape) == 1
-                and input_structure.shape == output_structure.shape
-            ):
-                full = {
-                    d: diagonals[offsets.index(d)] if d in offsets else None for d in (-1, 0, 1)
-                }
-                zero = jnp.zeros((n,), values.dtype)
-                lo = full[-1] if full[-1] is not None else zero
-                up = full[1] if full[1] is not None else zero
-                mid = full[0] if full[0] is not None else zero
-                return lx.TridiagonalLinearOperator(mid, lo[1:], up[:-1])
+    vector = len(input_structure.shape) == 1 and input_structure.shape == output_structure.shape
+    plan = storage_plan(columns, live, n, tridiagonal=vector)
+    rows_of = np.broadcast_to(np.arange(m), columns.shape)
+    if plan.kind == "zero":
+        return SparseLinearOperator(
+            jnp.zeros((m, 0), values.dtype),
+            np.zeros((0, m), np.int32),
+            input_structure,
+            output_structure,
+        )
+    if plan.kind == "block-diagonal":
+        # Row r's slots land in block r // k, at (r % k, column % k).
+        k = plan.block
+        blocks = _assemble(values, columns % k, live, k, k).reshape(n // k, k, k)
+        return BlockDiagonalLinearOperator(blocks, input_structure, output_structure)
+    if plan.kind in ("tridiagonal", "banded"):
+        offsets = plan.offsets
+        index = np.searchsorted(np.asarray(offsets), columns.astype(np.int64) - rows_of)
+        diagonals = _assemble(values, index, live, len(offsets), 1).T  # (D, n)
+        if plan.kind == "banded":
             return BandedLinearOperator(diagonals, offsets, input_structure, output_structure)
+        full = {d: diagonals[offsets.index(d)] if d in offsets else None for d in (-1, 0, 1)}
+        zero = jnp.zeros((n,), values.dtype)
+        lo = full[-1] if full[-1] is not None else zero
+        up = full[1] if full[1] is not None else zero
+        mid = full[0] if full[0] is not None else zero
+        return lx.TridiagonalLinearOperator(mid, lo[1:], up[:-1])
+    if plan.kind == "csr":
+        csr = _compress_rows(values, columns, live, n)
+        return CSRLinearOperator(*csr, input_structure, output_structure)
     # Entries that are not part of the matrix point at the diagonal (with value zero), so
     # that the pattern a solver reads is the matrix's own.
     own = np.broadcast_to(np.minimum(np.arange(m), max(n - 1, 0)), columns.shape)

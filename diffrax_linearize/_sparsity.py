@@ -5,6 +5,7 @@ trace time; only `val` is traced, and work on it is slicing, padding, gathering 
 indices and elementwise arithmetic, never a product with a basis.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -806,50 +807,11 @@ def _gather_pattern(b: Struct, src, valid, out_shape) -> Struct:
 # ---- what a pattern is ------------------------------------------------------------------
 
 
-def square_offsets(b: Struct):
-    """For an `Ell` block over all in axes whose out and in sizes are equal: the live
-    entries as `(rows, cols)` of the flattened square matrix (NumPy), else `None`."""
-    ell = b.ell
-    n = math.prod(b.out_shape)
-    if ell is None or ell.in_axes != tuple(range(len(b.in_shape))) or math.prod(b.in_shape) != n:
-        return None
-    rows = np.broadcast_to(np.arange(n).reshape((1, n)), (ell.S, n))
-    cols = ell.tmap.reshape(ell.S, n)
-    live = ell.full_mask().reshape(ell.S, n)
-    return rows[live], cols[live]
-
-
-def block_size(b: Struct) -> int | None:
-    """The smallest block size `k` such that the block is block-diagonal with `n / k`
-    square blocks of size `k` in its flattened form, if it is and `k < n`."""
-    rc = square_offsets(b)
-    if rc is None:
-        return None
-    rows, cols = rc
-    n = math.prod(b.out_shape)
-    for k in range(1, n):
-        if n % k == 0 and (rows // k == cols // k).all():
-            return k if k < n else None
-    return None
-
-
-def bandwidth(b: Struct) -> tuple[int, int] | None:
-    """`(lower, upper)` bandwidths of the flattened square matrix, if the block is a square
-    `Ell` block; `None` otherwise."""
-    rc = square_offsets(b)
-    if rc is None:
-        return None
-    rows, cols = rc
-    if len(rows) == 0:
-        return (0, 0)
-    off = cols.astype(np.int64) - rows
-    return int(max(0, -off.min())), int(max(0, off.max()))
-
-
 def describe(b: Struct) -> str:
     """ "identity", "diagonal", "dense 4 x 4", "block-diagonal 1000 x 3 x 3", "banded,
-    offsets -1..1", "sparse, 5 entries per row", with the numbers `val` stores against a
-    dense block's."""
+    offsets -1..1", "sparse, 5 entries per row", "sparse (CSR), 1 to 80 entries per row",
+    with the numbers stored against a dense block's: for an `Ell` block, those of the
+    operator `sparse_operator` builds from it (`storage_plan`), otherwise those of `val`."""
     dense = math.prod(b.out_shape) * math.prod(b.in_shape)
     stored = b.stored_size()
     if b.ell is None:
@@ -861,15 +823,11 @@ def describe(b: Struct) -> str:
             kind = f"structured ({len(ties)} delta axes)"
         text = kind.replace("_", " ")
     else:
-        k = block_size(b)
-        bw = bandwidth(b)
-        n = math.prod(b.out_shape)
-        if k is not None and k > 1:
-            text = f"block-diagonal {n // k} x {k} x {k}"
-        elif bw is not None and bw[0] + bw[1] + 1 < n:
-            text = f"banded, offsets {-bw[0]}..{bw[1]}"
-        else:
-            text = f"sparse, {b.ell.S} entries per row"
+        columns, live = flat_pattern(b)
+        vector = len(b.in_shape) == 1 and b.in_shape == b.out_shape
+        plan = storage_plan(columns, live, math.prod(b.in_shape), tridiagonal=vector)
+        text = plan.describe(math.prod(b.out_shape), columns.shape[0])
+        stored = plan.stored
     return f"{text}: {stored:,} numbers stored, dense {dense:,}"
 
 
@@ -929,21 +887,17 @@ def conform_val(b: Struct, t: Struct):
 # ---- as a matrix --------------------------------------------------------------------------
 
 
-def flat_entries(b: Struct):
-    """An `Ell` block as a row-compressed matrix of its flattened out and in sides.
-
-    **Returns:** `(values, columns, live)`: `values` of shape `(rows, E)` (zero where not
-    live), NumPy `columns` and `live` of shape `(E, rows)`."""
+def flat_pattern(b: Struct):
+    """The static pattern of an `Ell` block as a row-compressed matrix of its flattened out
+    and in sides: NumPy `(columns, live)` of shape `(E, rows)`, entry `e` of row `r` in
+    column `columns[e, r]`, part of the matrix where `live[e, r]`."""
     b = b.canonical()
     ell = b.ell
     rest = [l for l in range(len(b.in_shape)) if l not in ell.in_axes]
-    labels = list(b.out_labels) + [BAND] + [b.in_labels[l] for l in rest]
-    val = _band_val(b, labels)
     rows = math.prod(b.out_shape)
     rest_shape = tuple(b.in_shape[l] for l in rest)
     n_rest = math.prod(rest_shape)
     S = ell.S
-    val = val.reshape(rows, S * n_rest)
     gshape = b.group_shape
     group = np.unravel_index(ell.tmap.reshape(S, rows), gshape) if gshape else ()
     rest_idx = np.unravel_index(np.arange(n_rest), rest_shape) if rest_shape else ()
@@ -960,6 +914,105 @@ def flat_entries(b: Struct):
     live = np.broadcast_to(ell.full_mask().reshape(S, 1, rows), (S, n_rest, rows)).reshape(
         S * n_rest, rows
     )
+    return columns, live
+
+
+def flat_entries(b: Struct):
+    """An `Ell` block as a row-compressed matrix of its flattened out and in sides.
+
+    **Returns:** `(values, columns, live)`: `values` of shape `(rows, E)` (zero where not
+    live), NumPy `columns` and `live` of shape `(E, rows)`, as `flat_pattern` gives them."""
+    b = b.canonical()
+    ell = b.ell
+    rest = [l for l in range(len(b.in_shape)) if l not in ell.in_axes]
+    labels = list(b.out_labels) + [BAND] + [b.in_labels[l] for l in rest]
+    val = _band_val(b, labels)
+    columns, live = flat_pattern(b)
+    val = val.reshape(columns.shape[::-1])
     if not live.all():
         val = _xp(val).where(live.T, val, np.zeros((), val.dtype))
     return val, columns, live
+
+
+# ---- how an operator stores a pattern -------------------------------------------------------
+
+# No storage may hold more than this many numbers per distinct nonzero of the pattern:
+# past it, the rows are compressed (CSR), one number per nonzero.
+STORAGE_FACTOR = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """How `sparse_operator` stores a row-compressed block, decided from its static pattern
+    alone (by `storage_plan`), so that `structure_report` and the operator agree.
+
+    - `kind`: `"zero"`, `"block-diagonal"`, `"tridiagonal"`, `"banded"`, `"ellpack"` or
+      `"csr"`;
+    - `stored`: the numbers the operator's arrays hold;
+    - `nnz`: the distinct (row, column) pairs of the pattern;
+    - `block`: the block size (block-diagonal); `offsets`: the diagonals (banded);
+      `row_lengths`: the fewest and most entries of a row (CSR).
+    """
+
+    kind: str
+    stored: int
+    nnz: int
+    block: int = 0
+    offsets: tuple[int, ...] = ()
+    row_lengths: tuple[int, int] = (0, 0)
+
+    def describe(self, rows: int, entries: int) -> str:
+        if self.kind == "zero":
+            return "zero"
+        if self.kind == "block-diagonal":
+            k = self.block
+            return f"block-diagonal {rows // k} x {k} x {k}"
+        if self.kind in ("tridiagonal", "banded"):
+            return f"banded, offsets {min(self.offsets)}..{max(self.offsets)}"
+        if self.kind == "ellpack":
+            return f"sparse, {entries} entries per row"
+        lo, hi = self.row_lengths
+        return f"sparse (CSR), {lo} to {hi} entries per row"
+
+
+def _block_size(rows, cols, n) -> int | None:
+    for k in range(1, n):
+        if n % k == 0 and (rows // k == cols // k).all():
+            return k
+    return None
+
+
+def storage_plan(columns, live, n_in: int, tridiagonal: bool) -> Storage:
+    """The storage of the row-compressed matrix with the static pattern `columns`, `live`
+    (of shape `(E, rows)`, as `flat_pattern` gives them) acting on `n_in` elements: the
+    first of block-diagonal (blocks of at most 256), tridiagonal (`tridiagonal`: when the
+    operator maps vectors to vectors of the same shape), banded (the diagonals used, for a
+    band of at most `4 sqrt(n)`) and ELLPACK that holds at most `STORAGE_FACTOR` numbers per
+    distinct nonzero; otherwise CSR, one number per nonzero."""
+    E, m = columns.shape
+    live_t = np.asarray(live).T
+    rows = np.broadcast_to(np.arange(m)[:, None], (m, E))[live_t]
+    cols = np.asarray(columns).T[live_t].astype(np.int64)
+    keys = np.unique(rows * np.int64(max(n_in, 1)) + cols)
+    nnz = len(keys)
+    if nnz == 0:
+        return Storage("zero", 0, 0)
+    budget = STORAGE_FACTOR * nnz
+    if m == n_in and m > 1:
+        k = _block_size(rows, cols, m)
+        if k is not None and k <= 256 and m * k <= budget:
+            return Storage("block-diagonal", m * k, nnz, block=k)
+        off = cols - rows
+        width = int(max(-off.min(), off.max(), 0))
+        if width <= 4 * math.isqrt(m) and width < m // 2:
+            # Only the diagonals the pattern uses: a 2D stencil on a grid of rows of
+            # length r has five, at offsets 0, +-1 and +-r, not the 2r + 1 of its band.
+            offsets = tuple(int(d) for d in np.unique(off))
+            if tridiagonal and set(offsets) <= {-1, 0, 1} and 3 * m - 2 <= budget:
+                return Storage("tridiagonal", 3 * m - 2, nnz, offsets=offsets)
+            if len(offsets) * m <= budget:
+                return Storage("banded", len(offsets) * m, nnz, offsets=offsets)
+    if m * E <= budget:
+        return Storage("ellpack", m * E, nnz)
+    lengths = np.bincount(keys // max(n_in, 1), minlength=m)
+    return Storage("csr", nnz, nnz, row_lengths=(int(lengths.min()), int(lengths.max())))

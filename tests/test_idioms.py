@@ -11,9 +11,6 @@ import numpy as np
 import pytest
 
 
-_CSR = "needs the row-compressed (CSR) storage of issue 24 item 2"
-
-
 # ---- the fields ---------------------------------------------------------------------------
 
 
@@ -170,15 +167,6 @@ def test_exact(name):
 # nonzeros, and no current storage holds it in fewer; its loss is reported.
 _SPARSE = [n for n in _CASES if n != "cumsum_coupling"]
 
-# Storage above twice the nonzeros: the block-diagonal storage holds each block dense.
-_OVER_2X = {"reflect_padded": "each 7 x 7 block is stored dense; " + _CSR}
-
-# The report's count and the operator's disagree (issue 24 item 4, not yet done).
-_REPORT_DISAGREES = {
-    n: "the report counts the block's numbers, not the operator's (issue 24 item 4)"
-    for n in ("reaction_diffusion_species_last", "reflect_padded", "take_in_nested_jit")
-}
-
 
 def test_cumsum_reported():
     y = _state((8,))
@@ -189,8 +177,10 @@ def test_cumsum_reported():
 
 
 @pytest.mark.slow  # the default run checks each field once, in test_not_dense
-@pytest.mark.parametrize("name", _params(_SPARSE, {**_OVER_2X, **_STILL_DENSE}))
+@pytest.mark.parametrize("name", _params(_SPARSE, _STILL_DENSE))
 def test_at_most_twice_nonzeros(name):
+    # Each storage is taken only within twice the pattern's nonzeros, else CSR: reflect
+    # padding's blocks of 7 x 7, each tridiagonal but for its corners, are stored banded.
     fn, shape = _CASES[name]
     y = _state(shape)
     nnz = np.count_nonzero(np.asarray(jax.jacfwd(fn)(y)))
@@ -198,8 +188,9 @@ def test_at_most_twice_nonzeros(name):
 
 
 @pytest.mark.slow  # the default run checks each field once, in test_not_dense
-@pytest.mark.parametrize("name", _params(_SPARSE, _REPORT_DISAGREES))
+@pytest.mark.parametrize("name", _SPARSE)
 def test_report_matches_operator(name):
+    # The report's kind and count come from the storage decision the operator is built by.
     fn, shape = _CASES[name]
     y = _state(shape)
     (kind,) = dl.structure_report(fn, y).kinds
