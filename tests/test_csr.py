@@ -296,7 +296,15 @@ def test_linear_solve_against_dense(name, options, transposed):
     b = jnp.cos(y)
     dense = np.asarray(jax.jit(jax.jacfwd(step))(y))
     expected = np.linalg.solve(dense, np.asarray(b))
-    solver = dl.StructuredLinearSolver()
+    # Below `dense_below` unknowns the default is a dense LU; the sparse paths are taken
+    # with `dense_below=0`, and both must agree with the dense solve.
+    default_state = dl.StructuredLinearSolver().init(op, {})
+    assert _N < dl.StructuredLinearSolver().dense_below
+    assert type(default_state).__name__ == "_Delegate"
+    np.testing.assert_allclose(
+        lx.linear_solve(op, b, dl.StructuredLinearSolver()).value, expected, rtol=1e-8, atol=1e-9
+    )
+    solver = dl.StructuredLinearSolver(dense_below=0)
     if options == "default":
         options, path = {}, _PATHS[name]
     else:
