@@ -110,7 +110,14 @@ def _terminate(solver, state: _ChordState):
         # controller allows the step (Hairer & Wanner, Solving ODEs II, IV.8: kappa Tol).
         # Within the tolerances alone, the iterate's error is as large as the step's: Newton
         # gave 0.7 fewer correct digits on HIRES at rtol 1e-4 (4.0 against 4.7).
-        converged = (state.step >= 1) & (state.diffsize < solver.kappa)
+        # No finer than the dtype resolves, though: in float32 at rtol 1e-5 an update
+        # below kappa times the relative tolerance is below rounding, and would never come
+        # (a purely absolute tolerance, rtol 0, keeps kappa).
+        res = resolution(state.diffsize.dtype)
+        rtol = jnp.asarray(solver.rtol)
+        floor = jnp.where(rtol > 0, res / jnp.maximum(rtol, res), 0.0)
+        threshold = jnp.maximum(solver.kappa, floor)
+        converged = (state.step >= 1) & (state.diffsize < threshold)
         diverged = (state.step >= 1) & jnp.invert(jnp.isfinite(state.diffsize))
         result = optx.RESULTS.where(
             diverged, optx.RESULTS.nonlinear_divergence, optx.RESULTS.successful
