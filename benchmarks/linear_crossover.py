@@ -40,7 +40,12 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import lineax as lx
+import matplotlib
 import numpy as np
+
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 
 jax.config.update("jax_enable_x64", True)
@@ -48,7 +53,7 @@ jax.config.update("jax_enable_x64", True)
 import diffrax_linearize as dl
 from diffrax_linearize._linear_solver import _inverse
 
-from benchmarks._common import markdown_table, time_contenders, write_results
+from benchmarks._common import markdown_table, plot_path, time_contenders, write_results
 
 
 REPEATS = 64  # factorisations (or solves) per timed call
@@ -242,7 +247,38 @@ def run(quick: bool = False) -> list[dict]:
         note="single-threaded CPU, float64; busy shared 2-core machine: rough",
     )
     print(f"Results: {path}")
+    print(f"Plot: {plot(rows)}")
     return rows
+
+
+def plot(rows, out=None):
+    """One panel per operator kind: the factor + solve time of each path against `n`
+    (log-log), the structured path's crossover with dense LU marked."""
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.8), squeeze=False)
+    styles = {"structured": "o-", "dense LU": "s--", "dense GJ": "^:"}
+    for ax, kind in zip(axes.flat, kinds):
+        mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["n"])
+        for path, style in styles.items():
+            pts = [(r["n"], r[f"{path} factor_solve_s"]) for r in mine if f"{path} factor_solve_s" in r]
+            if pts:
+                ax.loglog(*zip(*pts), style, label=f"{path}: factor + solve", ms=4)
+        sizes = [r["n"] for r in mine]
+        n = _crossover(mine, sizes, "factor_solve")
+        if n is not None:
+            ax.axvline(n, color="grey", lw=0.8)
+            ax.annotate(f"crossover n={n}", (n, ax.get_ylim()[1]), fontsize=7, va="top", ha="right", rotation=90)  # noqa: E501
+        ax.set_title(kind, fontsize=9)
+        ax.set_xlabel("n (unknowns)", fontsize=8)
+        ax.set_ylabel("time per factor + solve, fastest round (s)", fontsize=8)
+    handles, names = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(styles))
+    fig.suptitle("Linear solves inside a compiled loop: structured paths against dense LU (float64, one thread)")  # noqa: E501
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    path = out or plot_path("linear_crossover")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def pollu_rows(repeats: int = 5) -> list[dict]:

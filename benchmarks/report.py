@@ -939,6 +939,7 @@ PLOTTERS = {
     "work_precision": "benchmarks.work_precision",
     "adaptive_sde": "benchmarks.adaptive_sde",
     "adaptive_sde_quick": "benchmarks.adaptive_sde",
+    "linear_crossover": "benchmarks.linear_crossover",
 }
 
 
