@@ -137,6 +137,26 @@ def contract(operands, keep: Sequence[int], sizes: dict[int, int]):
         arr = arr.sum(axis=axes)
         rest = tuple(label for label in ls if label not in summed)
         return place(arr, rest, out_labels), out_labels
+    if (
+        len(operands) == 2
+        and out_labels
+        and not repeated
+        and set(operands[0][1]) == set(operands[1][1])
+    ):
+        # A product of two operands over the same labels, then a sum (`ab,ab->a`). As a
+        # `dot_general` every kept label is a batch dimension, which XLA's CPU backend runs
+        # as a loop of tiny dots, and as a `sum` it becomes a reduction fusion several
+        # times slower than a matrix-vector product (measured in `benchmarks/step_cost.py`,
+        # where this is the Ito Milstein correction): the product, then a product with
+        # ones. `HIGHEST` keeps a GPU's default TF32 from rounding it.
+        (a, la), (b, lb) = operands
+        order = out_labels + tuple(summed)
+        prod = place(a, la, order) * place(b, lb, order)
+        kept = prod.shape[: len(out_labels)]
+        flat = prod.reshape(math.prod(kept), -1)
+        ones = jnp.ones(flat.shape[1], flat.dtype)
+        result = jnp.matmul(flat, ones, precision=jax.lax.Precision.HIGHEST).reshape(kept)
+        return result, out_labels
     letters = {}
     for label in present:
         letters[label] = _LETTERS[len(letters)]

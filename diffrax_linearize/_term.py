@@ -348,15 +348,22 @@ def milstein_trace_term(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]
 
         s = sigma(y)
         return s * jacobian_diagonal(sigma, y).astype(s.dtype)
-    return _contract_derivative(term, t, y, args, lambda m, r, p: m)
+    return _contract_derivative(term, t, y, args, lambda m, r, p: [(1, m)])
 
 
 def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
     """$\\sum_{j, k} (\\partial g_{i j} / \\partial y_k)\\, W_{k j}$ for the matrix
     $W$ that `weight(g_rp, r, p)` gives per block (`g_rp` the block of the diffusion matrix
-    for state leaf `r` and control leaf `p`, shaped as that block): one contraction of the
-    structured derivative of the diffusion matrix with each block of $W$. With $W = g$ this
-    is `milstein_trace_term`; each stored entry of the derivative is read once."""
+    for state leaf `r` and control leaf `p`, shaped as that block), as a list of
+    `(coefficient, matrix)` terms and `(coefficient, (u, v))` outer products
+    $u v^\\top$ (`u` shaped like leaf `r`, `v` like leaf `p`) whose sum is $W$.
+
+    Where the derivative block stores more numbers than $W$ (for $g(y) = A y$ the tensor
+    $A$) $W$ is formed and contracted once, so that each stored entry is read once. Where
+    it stores no more (for $g_{ij} = y_i G_{ij}$ a delta times $G$) each term is
+    contracted on its own: an outer product as two vectors, so that nothing computed per
+    entry of `u` or `v` (a Brownian increment's `erf_inv`) lands in a loop over the
+    entries of $W$, where XLA would fuse and repeat it."""
     matrix = jtu.tree_leaves(materialise(term, t, y, args))
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     y_leaves, y_tree = jtu.tree_flatten(y)
@@ -371,16 +378,34 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
                 if d is None:
                     continue
                 d = d.ell_to_plain()
-                w_rp = weight(matrix[r * n_c + p], r, p)
+                g_rp = matrix[r * n_c + p]
+                terms = weight(g_rp, r, p)
                 y_labels = d.out_labels[:nq]
-                c_labels = d.out_labels[nq:]
-                val, labels = contract(
-                    [(d.val, d.val_labels), (w_rp, tuple(d.in_labels) + tuple(c_labels))],
-                    y_labels,
-                    d.sizes,
-                )
-                val = jnp.broadcast_to(place(jnp.asarray(val), labels, y_labels), jnp.shape(yq))
-                total = total + val.astype(total.dtype)
+                in_labels = tuple(d.in_labels)
+                c_labels = tuple(d.out_labels[nq:])
+                dtype = jnp.result_type(g_rp)
+
+                pieces = []
+                # (`dt` may be a Python or a traced scalar of another precision.)
+                with jax.numpy_dtype_promotion("standard"):
+                    if jnp.size(d.val) > jnp.size(g_rp):
+                        w_rp = sum(
+                            c * jnp.multiply.outer(*w) if isinstance(w, tuple) else c * w
+                            for c, w in terms
+                        )
+                        pieces.append([(w_rp.astype(dtype), in_labels + c_labels)])
+                    else:
+                        for c, w in terms:
+                            if isinstance(w, tuple):
+                                u, v = (c * w[0]).astype(dtype), jnp.asarray(w[1], dtype)
+                                pieces.append([(u, in_labels), (v, c_labels)])
+                            else:
+                                w_rp = (c * w).astype(dtype)
+                                pieces.append([(w_rp, in_labels + c_labels)])
+                for operands in pieces:
+                    val, labels = contract([(d.val, d.val_labels), *operands], y_labels, d.sizes)
+                    val = place(jnp.asarray(val), labels, y_labels)
+                    total = total + jnp.broadcast_to(val, jnp.shape(yq)).astype(total.dtype)
         out.append(total)
     return jtu.tree_unflatten(y_tree, out)
 
@@ -394,7 +419,7 @@ def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
 
     With $D_{i j k} = \\partial g_{i j} / \\partial y_k$ the sum is
     $\\sum_{j, k} D_{i j k} \\big((g \\Delta W)_k \\Delta W_j - \\Delta t\\, g_{k j}\\big)$:
-    one contraction of the structured derivative with a matrix shaped like $g$, so each
+    a contraction of the structured derivative with a matrix shaped like $g$, so each
     stored entry of $D$ is read once (for $g(y) = A y$ one pass over $A$ instead of two)."""
     if _is_complex(term, t, y, args):
         return None
@@ -404,9 +429,7 @@ def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
     dw_leaves = jtu.tree_leaves(dw)
 
     def weight(g_rp, r, p):
-        with jax.numpy_dtype_promotion("standard"):
-            outer = jnp.multiply.outer(g_leaves[r], dw_leaves[p])
-            return (outer - dt * g_rp).astype(jnp.result_type(g_rp))
+        return [(1, (g_leaves[r], dw_leaves[p])), (-dt, g_rp)]
 
     return _contract_derivative(term, t, y, args, weight)
 

@@ -1469,3 +1469,38 @@ def test_mode_error_names_lineax_spelling(lineax_jac, ours):
         dl.materialise(lambda x: 2 * x, jnp.ones(3), mode=lineax_jac)
     with pytest.raises(ValueError, match="must be one of"):
         dl.materialise_operator(lambda x: 2 * x, jnp.ones(3), mode="sideways")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.complex128])
+def test_contract_of_two_operands_over_the_same_labels(dtype):
+    # `ab,ab->a`-like contractions (a product, then a sum) are a product and a
+    # matrix-vector product with ones, not a batched `dot_general` (a loop of tiny dots on
+    # CPU). Labels in different orders; two kept and two summed.
+    from diffrax_linearize._structure import contract
+
+    rng = np.random.default_rng(3)
+    sizes = {0: 3, 1: 4, 2: 5, 3: 2}
+
+    def draw(shape):
+        x = rng.normal(size=shape)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            x = x + 1j * rng.normal(size=shape)
+        return jnp.asarray(x, dtype)
+
+    a = draw((3, 4, 5, 2))  # labels 0 1 2 3
+    b = draw((5, 3, 2, 4))  # labels 2 0 3 1
+
+    def fn(a, b):
+        return contract([(a, (0, 1, 2, 3)), (b, (2, 0, 3, 1))], (3, 0), sizes)[0]
+
+    got = fn(a, b)
+    expected = jnp.einsum("ijkl,kilj->li", a, b)
+    assert got.shape == (2, 3) and got.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 1e-12
+    np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
+    batched = [
+        eqn
+        for eqn in jax.make_jaxpr(fn)(a, b).jaxpr.eqns
+        if eqn.primitive.name == "dot_general" and eqn.params["dimension_numbers"][1][0]
+    ]
+    assert not batched

@@ -73,6 +73,12 @@ def _vf_general_linear(t, y, args):
     return jnp.einsum("ijk,k->ij", _B_GENERAL, y)
 
 
+def _vf_row_scaled(t, y, args):
+    # g_ij = f(y_i) G_ij: a derivative that stores no more numbers than g (a delta times
+    # G), so the Itô correction contracts it term by term, not with one formed matrix.
+    return (0.5 * jnp.sin(y) + 0.3 * y)[:, None] * _B_GENERAL[:, :, 0]
+
+
 DIFFUSIONS = {
     "diagonal_lineax": (_vf_diagonal_lineax, (D,)),
     "diagonal_dense": (_vf_diagonal_dense, (D,)),
@@ -81,6 +87,7 @@ DIFFUSIONS = {
     "additive": (_vf_additive, (2,)),
     "commuting_linear": (_vf_commuting_linear, (D,)),
     "general_linear": (_vf_general_linear, (D,)),
+    "row_scaled": (_vf_row_scaled, (D,)),
 }
 
 _Y0 = jnp.array([1.0, 0.5, -0.3])
@@ -203,7 +210,8 @@ def _dense_trace(vf, y, m):
 
 
 @pytest.mark.parametrize(
-    "name", ["diagonal_dense", "scalar_1", "additive", "commuting_linear", "general_linear"]
+    "name",
+    ["diagonal_dense", "scalar_1", "additive", "commuting_linear", "general_linear", "row_scaled"],
 )
 def test_ito_trace_term_against_jacfwd(name, monkeypatch):
     vf, shape = DIFFUSIONS[name]
@@ -304,7 +312,9 @@ def _dense_correction(vf, y, m, dw, dt):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
-@pytest.mark.parametrize("name", ["diagonal_dense", "commuting_linear", "general_linear"])
+@pytest.mark.parametrize(
+    "name", ["diagonal_dense", "commuting_linear", "general_linear", "row_scaled"]
+)
 def test_ito_milstein_correction_against_jacfwd(name, dtype):
     vf, shape = DIFFUSIONS[name]
     m = int(np.prod(shape))
