@@ -260,20 +260,32 @@ def plot(rows, out=None):
     for ax, kind in zip(axes.flat, kinds):
         mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["n"])
         for path, style in styles.items():
-            pts = [(r["n"], r[f"{path} factor_solve_s"]) for r in mine if f"{path} factor_solve_s" in r]
+            pts = [
+                (r["n"], r[f"{path} factor_solve_s"]) for r in mine if f"{path} factor_solve_s" in r
+            ]
             if pts:
                 ax.loglog(*zip(*pts), style, label=f"{path}: factor + solve", ms=4)
         sizes = [r["n"] for r in mine]
         n = _crossover(mine, sizes, "factor_solve")
         if n is not None:
             ax.axvline(n, color="grey", lw=0.8)
-            ax.annotate(f"crossover n={n}", (n, ax.get_ylim()[1]), fontsize=7, va="top", ha="right", rotation=90)  # noqa: E501
+            ax.annotate(
+                f"crossover n={n}",
+                (n, ax.get_ylim()[1]),
+                fontsize=7,
+                va="top",
+                ha="right",
+                rotation=90,
+            )  # noqa: E501
         ax.set_title(kind, fontsize=9)
         ax.set_xlabel("n (unknowns)", fontsize=8)
         ax.set_ylabel("time per factor + solve, fastest round (s)", fontsize=8)
     handles, names = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=len(styles))
-    fig.suptitle("Linear solves inside a compiled loop: structured paths against dense LU (float64, one thread)")  # noqa: E501
+    fig.suptitle(
+        "Linear solves inside a compiled loop: structured paths against dense LU"
+        " (float64, one thread)"
+    )
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     path = out or plot_path("linear_crossover")
     fig.savefig(path, dpi=110)
