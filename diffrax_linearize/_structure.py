@@ -157,6 +157,8 @@ def contract(operands, keep: Sequence[int], sizes: dict[int, int]):
         ones = jnp.ones(flat.shape[1], flat.dtype)
         result = jnp.matmul(flat, ones, precision=jax.lax.Precision.HIGHEST).reshape(kept)
         return result, out_labels
+    if len(operands) == 2 and not repeated:
+        return _pairwise(*operands[0], *operands[1], out_labels, sizes), out_labels
     letters = {}
     for label in present:
         letters[label] = _LETTERS[len(letters)]
@@ -167,6 +169,57 @@ def contract(operands, keep: Sequence[int], sizes: dict[int, int]):
 
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _pairwise(a, la, b, lb, out_labels, sizes):
+    """The contraction of two operands (no label repeated within one) as one matrix
+    product of reshaped operands, `(batch, free, contracted) @ (batch, contracted, free)`,
+    with the labels of each group in the order of the larger operand, so that it is not
+    transposed. (`jnp.einsum` hands XLA a `dot_general` with several contracting
+    dimensions, which its CPU backend runs 5-8x slower than the same contraction reshaped:
+    `imk,km->i` at 64 x 64 x 64, 91 against 17 us.) Labels of one operand only that are
+    not kept are summed first. Returns the result with its axes in `out_labels` order."""
+
+    def presum(arr, ls, other):
+        drop = [label for label in ls if label not in other and label not in out_labels]
+        if drop:
+            arr = arr.sum(axis=tuple(ls.index(label) for label in drop))
+            ls = tuple(label for label in ls if label not in drop)
+        return arr, ls
+
+    a, la = presum(a, la, lb)
+    b, lb = presum(b, lb, la)
+    if not any(label in lb and label not in out_labels for label in la):
+        return place(a, la, out_labels) * place(b, lb, out_labels)
+    if np.size(b) > np.size(a):
+        a, la, b, lb = b, lb, a, la
+    # `a` is the larger operand: the order of its labels sets the order within each group.
+    batch = tuple(label for label in la if label in lb and label in out_labels)
+    contracted = tuple(label for label in la if label in lb and label not in out_labels)
+    free_a = tuple(label for label in la if label not in lb)
+    free_b = tuple(label for label in lb if label not in la)
+    if la == batch + contracted + free_a:  # `a` on the right needs no transpose
+        lhs, l_lhs, free_l, rhs, l_rhs, free_r = b, lb, free_b, a, la, free_a
+    else:
+        lhs, l_lhs, free_l, rhs, l_rhs, free_r = a, la, free_a, b, lb, free_b
+
+    def arrange(arr, ls, order):
+        perm = tuple(ls.index(label) for label in order)
+        return arr if perm == tuple(range(len(perm))) else arr.transpose(perm)
+
+    def size(labels):
+        return math.prod(sizes[label] for label in labels)
+
+    nb, nk = size(batch), size(contracted)
+    lhs = arrange(lhs, l_lhs, batch + free_l + contracted).reshape(nb, size(free_l), nk)
+    rhs = arrange(rhs, l_rhs, batch + contracted + free_r).reshape(nb, nk, size(free_r))
+    if batch:
+        result = jnp.matmul(lhs, rhs)
+    else:
+        result = jnp.matmul(lhs[0], rhs[0])
+    labels = batch + free_l + free_r
+    result = result.reshape(tuple(sizes[label] for label in labels))
+    return place(result, labels, out_labels)
 
 
 def eye(n: int, dtype):
