@@ -36,7 +36,7 @@ from ._compat import (
     save_y,
 )
 from ._levy_area import IteratedIntegrals
-from ._materialise import materialise
+from ._materialise import _materialise
 from ._solver.implicit import (
     ImplicitEulerMaruyama as _ImplicitEulerMaruyama,
     ImplicitItoMilstein as _ImplicitItoMilstein,
@@ -172,11 +172,13 @@ class _AdjointTerm(diffrax.AbstractTerm):
     def vf(self, t, y, args):
         # `vf_prod` is linear in the control: its matrix is what the solver asks for. The
         # structure engine reads it off the jaxpr of the VJP (for `g_ij = y_i G_ij` it is
-        # `y[:, None] * G` and `-a[:, None] * G`, with no pass per noise channel).
+        # `y[:, None] * G` and `-a[:, None] * G`, with no pass per noise channel). Without
+        # `materialise`'s check for `jax.jacfwd`'s NaN pattern, which under `jax.vmap`
+        # (ensembles) would recompute every Jacobian as `jax.jacfwd` does.
         control = _control_zeros(self, t)
         fn = lambda c: self.vf_prod(t, y, args, c)
         out_tree = jtu.tree_structure(jax.eval_shape(fn, control))
-        jac = materialise(fn, control)
+        jac = _materialise(fn, (control,), 0, False, "auto", False, nan_as_jacfwd=False)
         # Diffrax's `AdjointTerm` layout: control tree outermost.
         return jtu.tree_transpose(out_tree, jtu.tree_structure(control), jac)
 

@@ -109,9 +109,17 @@ class _Spec:
     their identity while the kernel is cached.)"""
 
     def __init__(
-        self, jaxpr, n_diff: int, mode: str, strict: bool, structured: bool, static_consts=None
+        self,
+        jaxpr,
+        n_diff: int,
+        mode: str,
+        strict: bool,
+        structured: bool,
+        static_consts=None,
+        nan_as_jacfwd: bool = True,
     ):
         self.jaxpr = jaxpr
+        self.nan_as_jacfwd = nan_as_jacfwd
         self.n_diff = n_diff
         self.mode = mode
         self.strict = strict
@@ -131,6 +139,7 @@ class _Spec:
             strict,
             structured,
             static_key,
+            nan_as_jacfwd,
         )
 
     def __hash__(self):
@@ -336,18 +345,26 @@ def _to_lin_outputs(outs, out_avals):
     return res
 
 
-def _structured_jacobian(spec: _Spec, consts, diff, rest):
-    """Returns `blocks[q][p]`: the block of output leaf `q` w.r.t. input leaf `p`, or
-    `None` for zero; the interpreter's `Context` (which primitives lost structure); and,
-    when the blocks came from reverse mode, a function of no arguments computing the same
-    blocks and context in forward mode from the same linearisation (else `None`)."""
+def _function(spec: _Spec, consts, rest):
+    """The traced function of the differentiated leaves alone."""
     jaxpr = spec.jaxpr
     consts = spec.consts(consts)
 
     def f(*d):
         return _eval_forward_differentiable(jaxpr, consts, list(d) + list(rest))
 
-    _, f_jvp = jax.linearize(f, *diff)
+    return f
+
+
+def _structured_jacobian(spec: _Spec, consts, diff, rest, f_jvp=None):
+    """Returns `blocks[q][p]`: the block of output leaf `q` w.r.t. input leaf `p`, or
+    `None` for zero; the interpreter's `Context` (which primitives lost structure); and,
+    when the blocks came from reverse mode, a function of no arguments computing the same
+    blocks and context in forward mode from the same linearisation (else `None`).
+    `f_jvp` is the linearisation, if the caller has it."""
+    jaxpr = spec.jaxpr
+    if f_jvp is None:
+        _, f_jvp = jax.linearize(_function(spec, consts, rest), *diff)
     out_avals = [v.aval for v in jaxpr.outvars]
     in_shapes = [tuple(jnp.shape(x)) for x in diff]
     mode = spec.mode
@@ -422,22 +439,109 @@ def _run_dense(spec: _Spec, consts, diff, rest):
 
 
 def _dense_jacobian(spec: _Spec, consts, diff, rest):
-    blocks, ctx, forward = _structured_jacobian(spec, consts, diff, rest)
+    _, f_jvp = jax.linearize(_function(spec, consts, rest), *diff)
+    blocks, ctx, reverse = _structured_jacobian(spec, consts, diff, rest, f_jvp)
     _check_strict(spec, ctx.densified, ctx.reasons)
-    out = _dense_cells(spec, blocks, diff)
-    if forward is None:
-        return out
-    # Reverse mode multiplies the same factors in the other order, and a zero cotangent is
-    # then multiplied by what `jax.jacfwd` never forms: where `select_n` drops a NaN or
-    # infinite tangent (`jnp.where(x < 0, x, jnp.sqrt(x))`), its transpose gives that
-    # entry a zero cotangent, which meets the infinite factor next (0 * inf = NaN, as in
-    # `jax.jacrev`). Where no NaN or inf is formed, both orders agree up to rounding; so
-    # a non-finite result is recomputed in forward mode (`jax.jacfwd`'s order), a branch
-    # that runs only then. It is the same Jacobian, so it is not checked by `strict`.
+    if not spec.nan_as_jacfwd:
+        return _dense_cells(spec, blocks, diff)
+    # `jax.jacfwd` pushes every basis vector through the linearisation, so a NaN or
+    # infinite partial derivative meets the basis's zeros (`0 * inf` is NaN) wherever it
+    # is formed, also where the structure knows the tangent to be zero and forms nothing
+    # (the rows of a constant that `jnp.concatenate` joins to `x` and `jnp.sqrt` then
+    # differentiates at 0; `x * y` at `x = inf, y = 0`; `A @ x` with an infinite entry of
+    # `A`). Reverse mode also forms `0 * inf` where forward mode does not: where `select_n`
+    # drops a NaN or infinite tangent, its transpose gives that entry a zero cotangent.
+    # Both are found by one more push through the linearisation, of ones: a non-finite
+    # value that `jax.jacfwd` forms in some basis direction is formed there too (a sum
+    # with, or a product by, a non-finite value is never finite), so where that push and
+    # the structured result are finite, `jax.jacfwd`'s result is finite and equal to ours
+    # up to rounding. Otherwise it is `jax.jacfwd` itself, in a branch that runs only
+    # then (under `jax.vmap`, where `cond` is a `select`, always), with its NaN pattern.
+    # It is the same Jacobian, so it is not checked by `strict`.
+
+    # In forward mode a non-finite entry of ours is one `jax.jacfwd` forms too, and so the
+    # push finds it; reverse mode's are checked in its stored values (not the dense
+    # result, which is built in the branch that returns it). Both pass an optimisation
+    # barrier: where they are constants of the program (the `A` of `A @ x` closed over
+    # under `jax.jit`), XLA would otherwise fold the check at compile time, seconds at
+    # n = 2000.
+    stored = [] if reverse is None else [b.val for row in blocks for b in row if b is not None]
+
+    @jax.jit  # named, as the fallback below: the cost of one Jacobian-vector product
+    def nonfinite_check():
+        ones = jax.lax.optimization_barrier([jnp.ones_like(x) for x in diff])
+        return [*jax.lax.optimization_barrier(stored), *f_jvp(*ones)]
+
+    checked = nonfinite_check()
     finite = functools.reduce(
-        jnp.logical_and, [jnp.all(jnp.isfinite(c)) for row in out for c in row], True
+        jnp.logical_and,
+        [jnp.all(jnp.isfinite(c)) for c in checked if jnp.issubdtype(c.dtype, jnp.inexact)],
+        True,
     )
-    return jax.lax.cond(finite, lambda: out, lambda: _dense_cells(spec, forward()[0], diff))
+
+    @jax.jit  # a call named in the program, so that tests can tell it from the rest
+    def nonfinite_fallback():
+        return _jacfwd_cells(spec, f_jvp, diff)
+
+    return jax.lax.cond(finite, lambda: _dense_cells(spec, blocks, diff), nonfinite_fallback)
+
+
+_FALLBACK_CHUNK = 64
+
+
+def _jacfwd_cells(spec: _Spec, f_jvp, diff):
+    """`jax.jacfwd`'s computation, as `_dense_cells`: the linearisation of every leaf of
+    `diff` at once, mapped over the basis of all of them (the other leaves' tangents are
+    zeros, not symbolic zeros, as in `jax.jacfwd`), `_FALLBACK_CHUNK` basis vectors at a
+    time, so that the program's untaken branch holds no `n x n` temporaries (XLA allocates
+    those on every call: 10-50x the time of a dense `tanh` Jacobian at n = 2000). The basis
+    passes an optimisation barrier: XLA rewrites a product with a visible identity into a
+    select, which drops the `0 * inf` NaNs that eager `jax.jacfwd` forms (under `jax.jit`,
+    `jax.jacfwd(lambda x: jnp.inf * x)` gives zeros off the diagonal, eagerly NaNs)."""
+    sizes = [math.prod(jnp.shape(x)) for x in diff]
+    n = sum(sizes)
+    dtype = jnp.result_type(*diff)
+    splits = np.cumsum(sizes)[:-1].tolist()
+    chunk = min(n, _FALLBACK_CHUNK)
+    avals = [v.aval for v in spec.jaxpr.outvars]
+
+    def push(row):
+        parts = jnp.split(row, splits)
+        return f_jvp(*[t.reshape(jnp.shape(x)).astype(x.dtype) for t, x in zip(parts, diff)])
+
+    def body(k, columns):
+        # The last chunk ends at `n`, overlapping the one before it: the same values.
+        start = jnp.minimum(k * chunk, n - chunk)
+        rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, n), 0) + start
+        basis = (rows == jax.lax.broadcasted_iota(jnp.int32, (chunk, n), 1)).astype(dtype)
+        pushed = jax.vmap(push)(jax.lax.optimization_barrier(basis))
+        return [
+            c
+            if c is None
+            else jax.lax.dynamic_update_slice(c, t.reshape(chunk, -1).T.astype(c.dtype), (0, start))
+            for c, t in zip(columns, pushed)
+        ]
+
+    columns = [
+        None
+        if _tangent_dtype(a.dtype) == jax.dtypes.float0
+        else jnp.zeros((math.prod(a.shape), n), _tangent_dtype(a.dtype))
+        for a in avals
+    ]
+    columns = jax.lax.fori_loop(0, -(-n // chunk), body, columns)
+    out = []
+    for aval, c in zip(avals, columns):
+        cells = []
+        offset = 0
+        for x, size in zip(diff, sizes):
+            shape = tuple(aval.shape) + tuple(jnp.shape(x))
+            if c is None:  # as `jax.jacfwd` does: zeros of the output's own (integer) dtype
+                cells.append(jnp.zeros(shape, aval.dtype))
+            else:
+                cells.append(c[:, offset : offset + size].reshape(shape))
+            offset += size
+        out.append(cells)
+    return out
 
 
 def _dense_cells(spec: _Spec, blocks, diff):
@@ -599,20 +703,38 @@ def materialise(
     shape `out.shape + in.shape`.
 
     Where a partial derivative is NaN or infinite, `jax.jacfwd` multiplies it by the zeros
-    of its basis (`0 * inf` is NaN) and so makes the whole of its row non-finite. Within
-    one block whose structure is a delta (elementwise maps, shifts, selections) the result
-    does the same. It does not where the non-finite partial reaches the row through a
-    product of rows of several blocks: `x * y` at `x = inf`, `y = 0` with respect to both
-    gives the partial `y = 0` for `x` where `jax.jacfwd` gives NaN, and `A @ x` with an
-    infinite entry of `A` gives `A`. Matching those too would read every dense block once
-    more (measured: a third to three quarters more time for `A @ x` at `N = 2000`). Every
-    entry that `jax.jacfwd` gives finite is the same here.
+    of its basis (`0 * inf` is NaN), also where the structure knows the tangent to be
+    zero: `x * y` at `x = inf, y = 0` is NaN in every entry of its row. The result is
+    `jax.jacfwd`'s there too, NaN pattern included: one Jacobian-vector product (of ones)
+    finds whether `jax.jacfwd` would form a NaN or infinity anywhere, and only then is the
+    Jacobian recomputed as `jax.jacfwd` computes it, eagerly or under `jax.jit`. (Under
+    `jax.jit`, `jax.jacfwd` itself can lose those NaNs: XLA rewrites a product with its
+    visible identity basis into a select, so `jax.jit(jax.jacfwd(lambda x: jnp.inf * x))`
+    has zeros off the diagonal; here the basis is hidden from XLA, and the eager pattern
+    holds.) Under `jax.vmap` that recomputation is a `select`, so it always runs; where
+    the NaN pattern does not matter, [`diffrax_linearize.materialise_operator`][] has no
+    such check.
     """
+    return _materialise(fn, args, argnums, holomorphic, mode, strict, nan_as_jacfwd=True)
+
+
+def _materialise(fn, args, argnums, holomorphic, mode, strict, *, nan_as_jacfwd: bool):
+    """`materialise`; with `nan_as_jacfwd=False`, without the check for (and recomputation
+    of) a non-finite Jacobian: for the solvers, which have no use for `jax.jacfwd`'s NaN
+    pattern and run under `jax.vmap`, where the recomputation would always run."""
     api = "diffrax_linearize.materialise"
     _check_mode(mode, api)
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, holomorphic, api)
     dynamic, static = _split_consts(closed.consts)
-    spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=False, static_consts=static)
+    spec = _Spec(
+        closed.jaxpr,
+        len(diff),
+        mode,
+        strict,
+        structured=False,
+        static_consts=static,
+        nan_as_jacfwd=nan_as_jacfwd,
+    )
     cells = _run_dense(spec, dynamic, diff, rest)
     return out_tree.unflatten([diff_tree.unflatten(row) for row in cells])
 

@@ -18,7 +18,7 @@ from jaxtyping import Array, PyTree
 
 from ._custom_types import MaterialiseMode
 from ._diagonal import jacobian_diagonal
-from ._materialise import materialise, materialise_operator, structured_blocks
+from ._materialise import _materialise, materialise, materialise_operator, structured_blocks
 from ._structure import contract, place
 
 
@@ -116,7 +116,9 @@ def _materialise_term(
     A `diffrax.ControlTerm` whose vector field returns an array gives that array back with no
     work; one returning a `lineax` operator gives its matrix; any other term (`ODETerm`,
     `MultiTerm`, your own subclass with a custom bilinear `prod`) goes through the structure
-    engine.
+    engine. Non-finite entries are the vector field's own: unlike `jax.jacfwd` (and
+    [`diffrax_linearize.materialise`][] of a function), no `0 * inf` NaNs are added where
+    they meet the zeros of a basis.
 
     **Arguments:**
 
@@ -129,13 +131,17 @@ def _materialise_term(
     api = "diffrax_linearize.materialise"
     _check_point(t, y, args, api)
     vf, control = _vf(term, t, y, args, api)
-    return materialise(
+    # The matrix as the vector field gives it: without `materialise`'s check for
+    # `jax.jacfwd`'s `0 * inf` NaNs, which the solvers that call this have no use for, and
+    # which under `jax.vmap` (ensembles) would recompute every matrix as `jax.jacfwd` does.
+    return _materialise(
         lambda c, vf: term.prod(vf, c),
-        control,
-        vf,
-        holomorphic=_is_holomorphic(control),
-        mode=mode,
-        strict=strict,
+        (control, vf),
+        0,
+        _is_holomorphic(control),
+        mode,
+        strict,
+        nan_as_jacfwd=False,
     )
 
 
@@ -175,7 +181,9 @@ def vf_derivative(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]:
     api = "diffrax_linearize.vf_derivative"
     _check_term(term, api)
     _vf(term, t, y, args, api)
-    return materialise(lambda y: materialise(term, t, y, args), y)
+    return _materialise(
+        lambda y: materialise(term, t, y, args), (y,), 0, False, "auto", False, nan_as_jacfwd=False
+    )
 
 
 # ---- structure queries ----------------------------------------------------------------
@@ -461,9 +469,9 @@ def commutativity_defect(term: diffrax.AbstractTerm, t, y, args) -> Array:
             out = term.prod(term.vf(t, unravel_y(yf), args), unravel_c(cf))
             return ravel_pytree(out)[0]
 
-        return materialise(prod, c_flat)
+        return _materialise(prod, (c_flat,), 0, False, "auto", False, nan_as_jacfwd=False)
 
     g = matrix(y_flat)  # (d, m)
-    dg = materialise(matrix, y_flat)  # (d, m, d)
+    dg = _materialise(matrix, (y_flat,), 0, False, "auto", False, nan_as_jacfwd=False)
     lg = jnp.einsum("ijk,kl->ijl", dg, g)  # [i, j2, j1] = (L^{j1} g^{j2})_i
     return jnp.max(jnp.abs(lg - jnp.swapaxes(lg, 1, 2)))

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from diffrax_linearize._interpreter import (  # the engine's walk over a program
-    iter_eqns,
     subjaxprs,
 )
 
@@ -123,6 +122,11 @@ def _is_matmul(eqn) -> bool:
     return lhs_free > 0 and rhs_free > 0
 
 
+# `materialise`'s check for a non-finite Jacobian (one Jacobian-vector product, a matrix
+# product only where the function has one) and its exact `jax.jacfwd`, which runs only then.
+_NOT_COUNTED = ("nonfinite_check", "nonfinite_fallback")
+
+
 def _count_live(jaxpr, live_out: list[bool]) -> tuple[int, list[bool]]:
     """Matrix-matrix `dot_general`s that contribute to the outputs marked live; returns the
     count and which inputs are live. Equations are walked backwards from the outputs; a
@@ -135,6 +139,8 @@ def _count_live(jaxpr, live_out: list[bool]) -> tuple[int, list[bool]]:
         if not any(out_live) and not eqn.effects:
             continue
         name = eqn.primitive.name
+        if name in ("jit", "pjit") and eqn.params.get("name") in _NOT_COUNTED:
+            continue
         subs = list(subjaxprs(eqn))
         if name in _CALLS and len(subs) == 1:
             c, in_live = _count_live(subs[0], out_live)
@@ -152,14 +158,28 @@ def _count_live(jaxpr, live_out: list[bool]) -> tuple[int, list[bool]]:
 
 def count_matmuls(fn, *args) -> int:
     """The number of live matrix-matrix products (`dot_general`s where both operands keep
-    free, non-contracting non-batch, dimensions) in `jax.make_jaxpr(fn)(*args)`."""
+    free, non-contracting non-batch, dimensions) in `jax.make_jaxpr(fn)(*args)`, but for
+    `materialise`'s calls named in `_NOT_COUNTED`: the Jacobian-vector product that checks
+    for a non-finite Jacobian, and the `jax.jacfwd` that recomputes one, only then."""
     closed = jax.make_jaxpr(fn)(*args)
     return _count_live(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[0]
 
 
 def primitive_names(fn, *args) -> set[str]:
-    """The names of every primitive in `jax.make_jaxpr(fn)(*args)`, sub-jaxprs included."""
-    return {eqn.primitive.name for eqn in iter_eqns(jax.make_jaxpr(fn)(*args).jaxpr)}
+    """The names of every primitive in `jax.make_jaxpr(fn)(*args)`, sub-jaxprs included,
+    but for those of `materialise`'s calls named in `_NOT_COUNTED` (see `count_matmuls`)."""
+
+    def names(jaxpr):
+        out = set()
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") in _NOT_COUNTED:
+                continue
+            out.add(eqn.primitive.name)
+            for sub in subjaxprs(eqn):
+                out |= names(sub)
+        return out
+
+    return names(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 def random_normal(key, shape, dtype=jnp.float64):

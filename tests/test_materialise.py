@@ -822,10 +822,7 @@ def test_one_matmul_for_nonlinear(mode):
     A, B = _matrices()
     x = _input((N,), jnp.float64)
     fn = lambda x: B @ jnp.tanh(A @ x)
-    # Reverse mode's program also holds the forward-mode branch that recomputes a
-    # non-finite result, with its own product: that branch runs only for such a result.
-    expected = 2 if mode == "reverse" else 1
-    assert count_matmuls(lambda x: dl.materialise(fn, x, mode=mode), x) == expected
+    assert count_matmuls(lambda x: dl.materialise(fn, x, mode=mode), x) == 1
     assert count_matmuls(jax.jacfwd(fn), x) == 2
     assert_tree_allclose(dl.materialise(fn, x, mode=mode), jax.jacfwd(fn)(x), rtol=1e-12)
 
@@ -1335,6 +1332,26 @@ _CROSS_BLOCK = {
         0,
     ),
     "sum-then-scale": (lambda x: jnp.inf * jnp.sum(x[:2]) + x[2], (jnp.ones(3),), 0),
+    # Non-finite partials at entries whose tangent the structure knows to be zero, which
+    # `jax.jvp` instantiates (the constant joined by `concatenate`, `pad`, `scatter`): the
+    # structure forms nothing there, `jax.jacfwd` forms `0 * inf`.
+    "sqrt-of-concatenated-zero": (
+        lambda x: jnp.sqrt(jnp.concatenate([x, jnp.zeros(1)])),
+        (jnp.array([0.0, 1.0, 2.0]),),
+        0,
+    ),
+    "sum-of-sqrt-of-concatenated-zero": (
+        lambda x: jnp.sum(jnp.sqrt(jnp.concatenate([x + 1, jnp.zeros(1)]))),
+        (jnp.array([0.0, 1.0, 2.0]),),
+        0,
+    ),
+    "sqrt-of-padded": (lambda x: jnp.sqrt(jnp.pad(x, 1)), (jnp.array([0.0, 1.0, 2.0]),), 0),
+    "sqrt-of-scattered": (
+        lambda x: jnp.sqrt(jnp.zeros(3).at[0].set(x[0])),
+        (jnp.array([0.0, 1.0, 2.0]),),
+        0,
+    ),
+    "scaled-by-inf": (lambda x: jnp.inf * x, (jnp.array([0.0, 1.0, 2.0]),), 0),
     "pytree": (
         lambda p: {"a": p["u"] * p["v"], "b": jnp.sin(p["u"])},
         ({"u": jnp.array([jnp.inf, 1.0]), "v": jnp.array([0.0, 3.0])},),
@@ -1343,20 +1360,7 @@ _CROSS_BLOCK = {
 }
 
 
-_CROSS_BLOCK_OPEN = pytest.mark.xfail(
-    strict=True,
-    reason="documented difference (materialise's docstring): a non-finite partial that "
-    "reaches its row through a product of blocks keeps the row's other entries finite",
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        n if n == "sum-then-scale" else pytest.param(n, marks=_CROSS_BLOCK_OPEN)
-        for n in _CROSS_BLOCK
-    ],
-)
+@pytest.mark.parametrize("name", list(_CROSS_BLOCK))
 def test_nan_pattern_across_blocks_as_jacfwd(name):
     """`jax.jacfwd`'s NaN pattern where the non-finite partial derivative meets the zero
     tangents through a product of blocks (`x * y` at `x = inf, y = 0`; `A @ x` with an
@@ -1364,6 +1368,9 @@ def test_nan_pattern_across_blocks_as_jacfwd(name):
     in every mode, eager and jitted."""
     fn, args, argnums = _CROSS_BLOCK[name]
     expected = jax.jacfwd(fn, argnums=argnums)(*args)
+    if name == "scaled-by-inf":  # the test can fail: XLA drops these NaNs of `jax.jacfwd`
+        jitted_jacfwd = jax.jit(jax.jacfwd(fn, argnums=argnums))(*args)
+        assert not np.isnan(jitted_jacfwd).any() and np.isnan(expected).any()
     leaves = jax.tree.leaves(expected)
     assert any(np.isnan(e).any() for e in leaves)
     for mode in ("auto", "forward", "reverse"):

@@ -509,11 +509,6 @@ def all_cases():
 # (op, point, dtype, wrapper, api) as fnmatch patterns, and the reason. Each matching case
 # is `xfail(strict=True)`: a fix turns it into an XPASS, which fails; then remove the line.
 
-_NAN_LOST = (
-    "documented difference (materialise's docstring): jacfwd's 0 * inf cross-term NaNs of a"
-    " binary op out of domain, where ours keeps the finite partial derivative; matching them"
-    " would read every dense block once more"
-)
 _ZERO_TANGENT_CONSTANT = (
     "jax's custom JVP rule of xlogy/xlog1py instantiates y's zero tangent, and"
     " 0 * x / y at x = y = 0 is a NaN constant term of the linear map, which jax.jvp adds"
@@ -521,29 +516,9 @@ _ZERO_TANGENT_CONSTANT = (
 )
 KNOWN_FAILURES: list[tuple[tuple[str, str, str, str, str], str]] = [
     *[
-        ((name, "outside", "*", "*", "materialise"), _NAN_LOST)
-        for name in (
-            "mul",
-            "div",
-            "power",
-            "float_power",
-            "remainder",
-            "mod",
-            "fmod",
-            "xlogy",
-            "xlog1py",
-        )
-    ],
-    *[
         ((name, "outside", "*", "*", "operator"), _ZERO_TANGENT_CONSTANT)
         for name in ("xlogy", "xlog1py")
     ],
-    (
-        ("logsumexp", "outside", "*", "*", "materialise"),
-        "NaN patterns out of domain: logsumexp with -inf and inf entries, ours finite where"
-        " jacfwd is NaN (reduce_sum over a delta drops jacfwd's 0 * NaN terms of the other"
-        " entries)",
-    ),
 ]
 
 
