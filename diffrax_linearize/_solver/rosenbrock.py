@@ -52,11 +52,17 @@ class _RodasTableau:
     H: np.ndarray  # (r, s)
     order: int
     dense_order: int
+    # Solution and error weights on the u_j, for a tableau whose embedded solution is not
+    # a stage's input (as OrdinaryDiffEq.jl's `b` and `btilde`); `None` for the Rodas
+    # layout above.
+    b: np.ndarray | None = None
+    btilde: np.ndarray | None = None
 
     def __post_init__(self):
         s = self.a.shape[0]
-        last = self.a[s - 2] + np.eye(s)[s - 2]
-        assert np.array_equal(self.a[s - 1], last) and self.c[s - 1] == 1
+        if self.b is None:
+            last = self.a[s - 2] + np.eye(s)[s - 2]
+            assert np.array_equal(self.a[s - 1], last) and self.c[s - 1] == 1
 
     def adds_last(self, i: int) -> bool:
         """Whether stage `i`'s input is stage `i - 1`'s plus its increment."""
@@ -282,6 +288,45 @@ def _check_ode(solver, terms, t0, t1):
         )
 
 
+def _combine(coefficients, ks):
+    return sum(float(a) * k for a, k in zip(coefficients, ks) if a != 0)
+
+
+def _stages(tab: _RodasTableau, g, solve, t0, h, flat0, dtype):
+    r"""The stages of one Rosenbrock step in the W-transformed form, shared by the Rodas
+    and W-methods: `g(t, y)` is the increment $f(t, y) h$ and `solve(b)` the solve with
+    $W = I/\gamma - h J$ (for a W-method, $J$ may be any matrix). Returns the solution,
+    the error estimate, $g(t_0, y_0)$, the stage increments and the solves' result."""
+    g0, dgdt = jax.jvp(lambda t: g(t, flat0), (t0,), (jnp.ones_like(t0),))
+    with jax.numpy_dtype_promotion("standard"):
+        h_dgdt = (h * dgdt).astype(dtype)
+    ks = []
+    result = RESULTS.successful
+    y_stage = flat0
+    for i in range(len(tab.c)):
+        if i == 0:
+            fi = g0
+        else:
+            if tab.adds_last(i):
+                y_stage = y_stage + ks[-1]
+            else:
+                y_stage = flat0 + _combine(tab.a[i], ks)
+            fi = g(t0 + float(tab.c[i]) * h, y_stage)
+        b = fi
+        if tab.d[i] != 0:
+            b = b + float(tab.d[i]) * h_dgdt
+        if i > 0:
+            b = b + _combine(tab.C[i], ks)
+        sol = solve(b)
+        ks.append(sol.value)
+        result = RESULTS.where(
+            result == RESULTS.successful, RESULTS.promote(sol.result), result
+        )
+    if tab.b is None:
+        return y_stage + ks[-1], ks[-1], g0, ks, result
+    return flat0 + _combine(tab.b, ks), _combine(tab.btilde, ks), g0, ks, result
+
+
 class AbstractRodas(AbstractAdaptiveSolver):
     r"""A stiffly accurate Rosenbrock method of the Rodas family, given by its tableau.
 
@@ -344,40 +389,11 @@ class AbstractRodas(AbstractAdaptiveSolver):
         def solve(b):
             return lx.linear_solve(W, b, self.linear_solver, state=state, throw=False)
 
-        g0, dgdt = jax.jvp(lambda t: g(t, flat0), (t0,), (jnp.ones_like(t0),))
-        with jax.numpy_dtype_promotion("standard"):
-            h_dgdt = (h * dgdt).astype(dtype)
-
-        def combine(coefficients, ks):
-            return sum(float(a) * k for a, k in zip(coefficients, ks) if a != 0)
-
-        ks = []
-        result = RESULTS.successful
-        y_stage = flat0
-        for i in range(len(tab.c)):
-            if i == 0:
-                fi = g0
-            else:
-                if tab.adds_last(i):
-                    y_stage = y_stage + ks[-1]
-                else:
-                    y_stage = flat0 + combine(tab.a[i], ks)
-                fi = g(t0 + float(tab.c[i]) * h, y_stage)
-            b = fi
-            if tab.d[i] != 0:
-                b = b + float(tab.d[i]) * h_dgdt
-            if i > 0:
-                b = b + combine(tab.C[i], ks)
-            sol = solve(b)
-            ks.append(sol.value)
-            result = RESULTS.where(
-                result == RESULTS.successful, RESULTS.promote(sol.result), result
-            )
-        flat1 = y_stage + ks[-1]
+        flat1, error, _, ks, result = _stages(tab, g, solve, t0, h, flat0, dtype)
         k = jnp.stack(ks)
         q = jnp.asarray(tab.H, dtype) @ k
         y1 = unravel(flat1)
-        y_error = unravel(ks[-1])
+        y_error = unravel(error)
         qs = jax.vmap(unravel)(q)
         dense_info = dict(y0=y0, y1=y1, q=qs)
         return y1, y_error, dense_info, None, result
