@@ -6,8 +6,9 @@ explicit solvers on a stiff SPDE. Float64, jitted, one run on one machine.
     `PIDController(rtol=1e-6, atol=1e-8)`, t in [0, 10], for N in {10, 100, 1000, 10000}:
     Diffrax's default root finder (dense LU of the 3N x 3N Jacobian every step; run up to
     N = 1000), ours, `dl.Rodas5P()` and `dl.Rodas4P()` (Rosenbrock: one factorisation a
-    step), `dl.ROS34PW2()` (a Rosenbrock-W method: one Jacobian for up to 20 steps), and `jax.vmap` of `diffeqsolve` over the systems (what the maintainers
-    suggested in #545; valid only because the systems are uncoupled).
+    step), `dl.ROS34PW2()` (a Rosenbrock-W method: one Jacobian for up to 20 steps),
+    and `jax.vmap` of `diffeqsolve` over the systems (what the maintainers suggested in
+    #545; valid only because the systems are uncoupled).
 (b) A coupled stiff problem where `vmap` does not apply: the 2D Brusselator on an n x n
     periodic grid (2 n^2 unknowns), n in {8, 16, 32, 64, 128}, t in [0, 1].
 (c) A stiff SPDE: the stochastic Allen-Cahn equation
