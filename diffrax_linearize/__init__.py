@@ -46,8 +46,11 @@ from ._solver.milstein_general import (
     GeneralStratonovichMilstein as GeneralStratonovichMilstein,
 )
 from ._solver.rosenbrock import (
+    AbstractRosenbrockW as AbstractRosenbrockW,
     Rodas4P as Rodas4P,
     Rodas5P as Rodas5P,
+    ROS34PW2 as ROS34PW2,
+    WState as WState,
 )
 from ._squared_grads import (
     per_example_grad_norms as per_example_grad_norms,

@@ -52,11 +52,17 @@ class _RodasTableau:
     H: np.ndarray  # (r, s)
     order: int
     dense_order: int
+    # Solution and error weights on the u_j, for a tableau whose embedded solution is not
+    # a stage's input (as OrdinaryDiffEq.jl's `b` and `btilde`); `None` for the Rodas
+    # layout above.
+    b: np.ndarray | None = None
+    btilde: np.ndarray | None = None
 
     def __post_init__(self):
         s = self.a.shape[0]
-        last = self.a[s - 2] + np.eye(s)[s - 2]
-        assert np.array_equal(self.a[s - 1], last) and self.c[s - 1] == 1
+        if self.b is None:
+            last = self.a[s - 2] + np.eye(s)[s - 2]
+            assert np.array_equal(self.a[s - 1], last) and self.c[s - 1] == 1
 
     def adds_last(self, i: int) -> bool:
         """Whether stage `i`'s input is stage `i - 1`'s plus its increment."""
@@ -282,6 +288,43 @@ def _check_ode(solver, terms, t0, t1):
         )
 
 
+def _combine(coefficients, ks):
+    return sum(float(a) * k for a, k in zip(coefficients, ks) if a != 0)
+
+
+def _stages(tab: _RodasTableau, g, solve, t0, h, flat0, dtype):
+    r"""The stages of one Rosenbrock step in the W-transformed form, shared by the Rodas
+    and W-methods: `g(t, y)` is the increment $f(t, y) h$ and `solve(b)` the solve with
+    $W = I/\gamma - h J$ (for a W-method, $J$ may be any matrix). Returns the solution,
+    the error estimate, $g(t_0, y_0)$, the stage increments and the solves' result."""
+    g0, dgdt = jax.jvp(lambda t: g(t, flat0), (t0,), (jnp.ones_like(t0),))
+    with jax.numpy_dtype_promotion("standard"):
+        h_dgdt = (h * dgdt).astype(dtype)
+    ks = []
+    result = RESULTS.successful
+    y_stage = flat0
+    for i in range(len(tab.c)):
+        if i == 0:
+            fi = g0
+        else:
+            if tab.adds_last(i):
+                y_stage = y_stage + ks[-1]
+            else:
+                y_stage = flat0 + _combine(tab.a[i], ks)
+            fi = g(t0 + float(tab.c[i]) * h, y_stage)
+        b = fi
+        if tab.d[i] != 0:
+            b = b + float(tab.d[i]) * h_dgdt
+        if i > 0:
+            b = b + _combine(tab.C[i], ks)
+        sol = solve(b)
+        ks.append(sol.value)
+        result = RESULTS.where(result == RESULTS.successful, RESULTS.promote(sol.result), result)
+    if tab.b is None:
+        return y_stage + ks[-1], ks[-1], g0, ks, result
+    return flat0 + _combine(tab.b, ks), _combine(tab.btilde, ks), g0, ks, result
+
+
 class AbstractRodas(AbstractAdaptiveSolver):
     r"""A stiffly accurate Rosenbrock method of the Rodas family, given by its tableau.
 
@@ -344,40 +387,11 @@ class AbstractRodas(AbstractAdaptiveSolver):
         def solve(b):
             return lx.linear_solve(W, b, self.linear_solver, state=state, throw=False)
 
-        g0, dgdt = jax.jvp(lambda t: g(t, flat0), (t0,), (jnp.ones_like(t0),))
-        with jax.numpy_dtype_promotion("standard"):
-            h_dgdt = (h * dgdt).astype(dtype)
-
-        def combine(coefficients, ks):
-            return sum(float(a) * k for a, k in zip(coefficients, ks) if a != 0)
-
-        ks = []
-        result = RESULTS.successful
-        y_stage = flat0
-        for i in range(len(tab.c)):
-            if i == 0:
-                fi = g0
-            else:
-                if tab.adds_last(i):
-                    y_stage = y_stage + ks[-1]
-                else:
-                    y_stage = flat0 + combine(tab.a[i], ks)
-                fi = g(t0 + float(tab.c[i]) * h, y_stage)
-            b = fi
-            if tab.d[i] != 0:
-                b = b + float(tab.d[i]) * h_dgdt
-            if i > 0:
-                b = b + combine(tab.C[i], ks)
-            sol = solve(b)
-            ks.append(sol.value)
-            result = RESULTS.where(
-                result == RESULTS.successful, RESULTS.promote(sol.result), result
-            )
-        flat1 = y_stage + ks[-1]
+        flat1, error, _, ks, result = _stages(tab, g, solve, t0, h, flat0, dtype)
         k = jnp.stack(ks)
         q = jnp.asarray(tab.H, dtype) @ k
         y1 = unravel(flat1)
-        y_error = unravel(ks[-1])
+        y_error = unravel(error)
         qs = jax.vmap(unravel)(q)
         dense_info = dict(y0=y0, y1=y1, q=qs)
         return y1, y_error, dense_info, None, result
@@ -486,3 +500,263 @@ class Rodas4P(AbstractRodas):
 
     linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
     tableau: ClassVar[_RodasTableau] = _RODAS4P
+
+
+# ROS34PW2 of J. Rang and L. Angermann, *New Rosenbrock W-methods of order 3 for partial
+# differential algebraic equations of index 1*, BIT Numerical Mathematics 45, 761-787
+# (2005), in the W-transformed form as listed by OrdinaryDiffEq.jl's
+# `ROS34PW2RodasTableau` (lib/OrdinaryDiffEqRosenbrockTableaus/src/rosenbrock_tableaus.jl).
+# Its order conditions (order 3, embedded order 2) hold for any W, which
+# `tests/test_wmethod.py` checks by the fitted order with a stale Jacobian.
+_ROS34PW2 = _RodasTableau(
+    gamma=0.435866521508459,
+    a=_lower(
+        [
+            [2.0],
+            [1.4192173174557647, -0.2592322116729697],
+            [4.18476048231916, -0.28519201735549593, 2.294280360279042],
+        ],
+        4,
+    ),
+    C=_lower(
+        [
+            [-4.588560720558084],
+            [-4.18476048231916, 0.28519201735549593],
+            [-6.368179200128359, -6.795620944466837, 2.8700986043310563],
+        ],
+        4,
+    ),
+    c=np.array([0.0, 0.871733043016918, 0.7315799577888524, 1.0]),
+    d=np.array([0.435866521508459, -0.435866521508459, -0.4133333762338865, 0.0]),
+    H=np.zeros((0, 4)),
+    order=3,
+    dense_order=3,
+    b=np.array([4.1847604823191595, -0.28519201735549565, 2.2942803602790414, 1.0]),
+    btilde=np.array([0.2777499476479681, -1.4032398951759992, 1.7726301276675507, 0.5]),
+)
+
+
+class WState(eqx.Module):
+    r"""The state a [`diffrax_linearize.AbstractRosenbrockW`][] solver carries between
+    steps (read it with `diffrax.SaveAt(solver_state=True)`).
+
+    - `W_J`: $W = I/\gamma - h_J J$ at the step size $h_J$ the Jacobian was evaluated
+      for, the structured operator of [`diffrax_linearize.materialise_operator`][].
+    - `dW`: $-h_J J$ in the same structure, so that $W(h) = W_J + (h/h_J - 1)\,dW$.
+    - `h_J`, `h_W`: the step sizes of the Jacobian and of the factorisation.
+    - `factorisation`: the linear solver's state for $W(h_W)$.
+    - `steps`: the accepted steps since the Jacobian was evaluated.
+    - `num_jacobians`, `num_factorisations`: how many Jacobians and factorisations the
+      accepted steps (and `init`) made; a rejected step's state is discarded by Diffrax,
+      so its work is not counted.
+    """
+
+    W_J: lx.AbstractLinearOperator
+    dW: lx.AbstractLinearOperator
+    h_J: Any
+    h_W: Any
+    factorisation: Any
+    steps: Any
+    num_jacobians: Any
+    num_factorisations: Any
+
+
+def _affine(W_J, dW, r):
+    return jtu.tree_map(lambda a, b: a + r.astype(a.dtype) * b, W_J, dW)
+
+
+class AbstractRosenbrockW(AbstractAdaptiveSolver):
+    r"""A Rosenbrock-W method, given by its tableau: a Rosenbrock method whose order
+    conditions hold for any matrix in place of the Jacobian, so that one Jacobian and one
+    factorisation serve many steps. A stale Jacobian costs stability and the quality of
+    the error estimate, never the order.
+
+    The solver state ([`diffrax_linearize.WState`][]) carries the materialised Jacobian
+    (with [`diffrax_linearize.materialise_operator`][], keeping a block-diagonal, banded
+    or sparse structure) and the factorisation of $W = I/\gamma - h J$. A step evaluates
+    a new Jacobian at $(t_0, y_0)$ when `jacobian_every` steps have used the old one,
+    after a jump (`made_jump`), or when $h$ differs from the step size the Jacobian was
+    evaluated for by more than a factor `refactor_ratio` either way (this is how a step
+    after rejections sees them: Diffrax discards a rejected step's state and the
+    controller shrinks $h$). It refactors $W$, without a new Jacobian, whenever $h$
+    differs from the factored one. Both are `jax.lax.cond`s: under `jax.vmap` over
+    initial conditions a `cond` on batched values becomes a `select` that runs both
+    branches, so every step then pays for a Jacobian and a factorisation.
+    Dense output is the cubic Hermite interpolant, one extra evaluation of $f$ per step.
+
+    For ODEs only (one `diffrax.ODETerm`), any pytree of real arrays, float32 or float64.
+    """
+
+    linear_solver: eqx.AbstractVar[lx.AbstractLinearSolver]
+    jacobian_every: eqx.AbstractVar[int]
+    refactor_ratio: eqx.AbstractVar[float]
+    tableau: AbstractClassVar[_RodasTableau]
+
+    term_structure: ClassVar = diffrax.AbstractTerm
+    interpolation_cls: ClassVar = diffrax.ThirdOrderHermitePolynomialInterpolation.from_k
+
+    def __check_init__(self):
+        if not (isinstance(self.jacobian_every, int) and self.jacobian_every >= 1):
+            raise ValueError(
+                f"`diffrax_linearize.{type(self).__name__}(jacobian_every=...)` must be "
+                f"an integer of at least 1, not {self.jacobian_every!r}."
+            )
+        if not self.refactor_ratio > 1:
+            raise ValueError(
+                f"`diffrax_linearize.{type(self).__name__}(refactor_ratio=...)` must be "
+                f"greater than 1, not {self.refactor_ratio!r}."
+            )
+
+    def order(self, terms):
+        return self.tableau.order
+
+    def func(self, terms, t0, y0, args):
+        return terms.vf(t0, y0, args)
+
+    def _increment(self, terms, t0, t1, y0, args):
+        flat0, unravel = jfu.ravel_pytree(y0)
+        dtype = flat0.dtype
+        control = terms.contr(t0, t1)
+
+        # As `AbstractRodas.step`: the increment g = f dt, through `vf_prod`.
+        def g(t, flat):
+            out = terms.vf_prod(t, unravel(flat), args, control)
+            out_flat, _ = jfu.ravel_pytree(out)
+            return out_flat.astype(dtype)
+
+        return flat0, unravel, dtype, g
+
+    def _jacobian(self, g, t0, flat0):
+        # W(s) = I/gamma - s dg/dy as one materialised operator (the structure engine sees
+        # the identity, so W keeps J's pattern with its diagonal); affine in s, so its
+        # derivative in s is -dg/dy in the same structure: one forward-mode pass.
+        gamma = self.tableau.gamma
+        one = jnp.ones((), flat0.dtype)
+
+        def W_of(s):
+            return materialise_operator(lambda y, _: y / gamma - s * g(t0, y), flat0, None)
+
+        return eqx.filter_jvp(W_of, (one,), (one,))
+
+    def _factor(self, W):
+        return jtu.tree_map(jax.lax.stop_gradient, self.linear_solver.init(W, {}))
+
+    def init(self, terms, t0, t1, y0, args):
+        _check_ode(self, terms, t0, t1)
+        t0 = jnp.asarray(t0)
+        h = jnp.asarray(t1) - t0
+        flat0, _, _, g = self._increment(terms, t0, t1, y0, args)
+        W_J, dW = self._jacobian(g, t0, flat0)
+        one = jnp.array(1, jnp.int32)
+        return WState(
+            W_J=W_J,
+            dW=dW,
+            h_J=h,
+            h_W=h,
+            factorisation=self._factor(W_J),
+            steps=jnp.array(0, jnp.int32),
+            num_jacobians=one,
+            num_factorisations=one,
+        )
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        _check_ode(self, terms, t0, t1)
+        tab = self.tableau
+        st = solver_state
+        t0 = jnp.asarray(t0)
+        h = jnp.asarray(t1) - t0
+        flat0, unravel, dtype, g = self._increment(terms, t0, t1, y0, args)
+
+        with jax.numpy_dtype_promotion("standard"):
+            ratio = h / st.h_J
+        refresh = (
+            jnp.asarray(made_jump)
+            | (st.steps >= self.jacobian_every)
+            | (ratio > self.refactor_ratio)
+            | (ratio < 1 / self.refactor_ratio)
+        )
+        W_J, dW, h_J = jax.lax.cond(
+            refresh,
+            lambda: (*self._jacobian(g, t0, flat0), h),
+            lambda: (st.W_J, st.dW, st.h_J),
+        )
+        with jax.numpy_dtype_promotion("standard"):
+            W = _affine(W_J, dW, h / h_J - 1)
+        refactor = refresh | (h != st.h_W)
+        factorisation = jax.lax.cond(refactor, lambda: self._factor(W), lambda: st.factorisation)
+
+        def solve(b):
+            return lx.linear_solve(W, b, self.linear_solver, state=factorisation, throw=False)
+
+        flat1, error, g0, _, result = _stages(tab, g, solve, t0, h, flat0, dtype)
+        y1 = unravel(flat1)
+        g1 = g(t0 + h, flat1)
+        k = jtu.tree_map(lambda a, b: jnp.stack([a, b]), unravel(g0), unravel(g1))
+        dense_info = dict(y0=y0, y1=y1, k=k)
+        new_state = WState(
+            W_J=W_J,
+            dW=dW,
+            h_J=h_J,
+            h_W=h,
+            factorisation=factorisation,
+            steps=jnp.where(refresh, 1, st.steps + 1).astype(jnp.int32),
+            num_jacobians=st.num_jacobians + refresh.astype(jnp.int32),
+            num_factorisations=st.num_factorisations + refactor.astype(jnp.int32),
+        )
+        return y1, unravel(error), dense_info, new_state, result
+
+
+class ROS34PW2(AbstractRosenbrockW):
+    r"""ROS34PW2, a stiffly accurate Rosenbrock-W method of order 3 with an embedded
+    method of order 2 and 4 stages (J. Rang and L. Angermann, *New Rosenbrock W-methods of
+    order 3 for partial differential algebraic equations of index 1*, BIT Numerical
+    Mathematics 45, 761-787 (2005); coefficients as in OrdinaryDiffEq.jl). Its order
+    conditions hold for any $W$, so the Jacobian and the factorisation of
+    $W = I/\gamma - h J$ are kept across steps: see
+    [`diffrax_linearize.AbstractRosenbrockW`][] for when they are renewed. Against
+    [`diffrax_linearize.Rodas4P`][] (a Jacobian and a factorisation every step, order 4),
+    it suits problems whose Jacobian is expensive to evaluate or factor, at loose to
+    moderate tolerances.
+
+    - **Error estimate:** the difference between the order-3 solution and the embedded
+      order-2 one; use it with a `diffrax.PIDController`.
+    - **Interpolation:** cubic Hermite, from $f$ at both ends of the step.
+
+    **Arguments:**
+
+    - `linear_solver`: the `lineax` solver that factors $W$;
+        [`diffrax_linearize.StructuredLinearSolver`][] by default.
+    - `jacobian_every`: the most steps one Jacobian serves; 20 by default, CVODE's
+        interval between linear-solver setups (`MSBP`): a W-method keeps its order
+        with any Jacobian, so this bounds only how far stability and the error
+        estimate may drift. `1` evaluates it every step.
+    - `refactor_ratio`: a new Jacobian is evaluated when $h$ has changed by more than
+        this factor since the last one (2 by default); a smaller change only refactors.
+
+    ```python
+    import diffrax
+    import jax.numpy as jnp
+    import diffrax_linearize as dl
+
+    def robertson(t, y, args):
+        y1, y2, y3 = y
+        return jnp.stack([
+            -0.04 * y1 + 1e4 * y2 * y3,
+            0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2,
+            3e7 * y2**2,
+        ])
+
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(robertson), dl.ROS34PW2(), t0=0.0, t1=100.0, dt0=1e-4,
+        y0=jnp.array([1.0, 0.0, 0.0]),
+        stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-8),
+        saveat=diffrax.SaveAt(t1=True, solver_state=True),
+    )
+    sol.solver_state.num_jacobians  # far fewer than sol.stats["num_steps"]
+    ```
+    """
+
+    linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
+    jacobian_every: int = 20
+    refactor_ratio: float = 2.0
+    tableau: ClassVar[_RodasTableau] = _ROS34PW2
