@@ -164,6 +164,7 @@ def test_stiff_linear():
     assert int(sol.solver_state.num_jacobians) < int(sol.stats["num_accepted_steps"]) / 2
 
 
+@pytest.mark.slow  # ~5 s of compilation; the default suite is held under 10 minutes
 def test_float32():
     with jax.enable_x64(False):
         sol = _adaptive(dl.ROS34PW2(), _robertson, jnp.asarray(_Y0, jnp.float32), 100.0, 1e-4, 1e-7)

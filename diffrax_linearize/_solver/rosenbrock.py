@@ -540,6 +540,8 @@ class WState(eqx.Module):
     r"""The state a [`diffrax_linearize.AbstractRosenbrockW`][] solver carries between
     steps (read it with `diffrax.SaveAt(solver_state=True)`).
 
+    **Arguments:**
+
     - `W_J`: $W = I/\gamma - h_J J$ at the step size $h_J$ the Jacobian was evaluated
       for, the structured operator of [`diffrax_linearize.materialise_operator`][].
     - `dW`: $-h_J J$ in the same structure, so that $W(h) = W_J + (h/h_J - 1)\,dW$.
