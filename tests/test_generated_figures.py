@@ -2,6 +2,7 @@
 results (`python -m benchmarks.report`), so they cannot drift from them."""
 
 import json
+import math
 import re
 
 import pytest
@@ -69,13 +70,32 @@ def test_ensemble_figures(tmp_path, monkeypatch):
     assert "not measured yet" in report.figures()["ensemble-summary"]
 
 
+def _same_up_to_rounding(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_up_to_rounding(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_same_up_to_rounding, a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_same_up_to_rounding():
+    assert _same_up_to_rounding({"r": [1.5028062811674323]}, {"r": [1.5028062811674283]})
+    assert not _same_up_to_rounding({"r": [1.50280628]}, {"r": [1.50280629]})
+    assert not _same_up_to_rounding({"r": 1}, {"r": 1.0})
+    assert not _same_up_to_rounding({"r": "a"}, {"r": "b"})
+
+
 @pytest.mark.parametrize("path", sorted(report.RESULTS.glob("*.json")), ids=lambda p: p.stem)
 def test_derived_numbers_are_those_of_the_timings(path):
     # The ratios and summaries in the JSON are recomputed from its timings by the
     # benchmark's `derive`, each ours over the other (`python -m benchmarks.report
     # --rederive` rewrites them without re-timing).
+    # Up to rounding: NumPy releases differ in the last bits of `log`/`exp` (the newest
+    # releases' leg of .ci/run derived 1.5028062811674283 for a recorded ...323).
     data = json.loads(path.read_text())
-    assert report.derived(data) == data, (
+    assert _same_up_to_rounding(report.derived(json.loads(path.read_text())), data), (
         f"{path.name}: its ratios or summary are not those of its timings: run "
         "`python -m benchmarks.report --rederive`"
     )
