@@ -36,7 +36,7 @@ from ._compat import (
     save_y,
 )
 from ._levy_area import IteratedIntegrals
-from ._materialise import _materialise
+from ._materialise import solver_jacobian
 from ._solver.implicit import (
     ImplicitEulerMaruyama as _ImplicitEulerMaruyama,
     ImplicitItoMilstein as _ImplicitItoMilstein,
@@ -178,7 +178,7 @@ class _AdjointTerm(diffrax.AbstractTerm):
         control = _control_zeros(self, t)
         fn = lambda c: self.vf_prod(t, y, args, c)
         out_tree = jtu.tree_structure(jax.eval_shape(fn, control))
-        jac = _materialise(fn, (control,), 0, False, "auto", False, nan_as_jacfwd=False)
+        jac = solver_jacobian(fn, control)
         # Diffrax's `AdjointTerm` layout: control tree outermost.
         return jtu.tree_transpose(out_tree, jtu.tree_structure(control), jac)
 

@@ -342,11 +342,14 @@ def zeros_like_lin(x: Lin):
 def linear_outputs(eqn, vals) -> list[bool]:
     """Which outputs of `eqn` depend on its linear inputs. Only equations holding
     sub-jaxprs (control flow) can mix constant and linear outputs."""
+    return _depending_outputs(eqn, [isinstance(x, Lin) for x in vals])
+
+
+def _depending_outputs(eqn, is_lin) -> list[bool]:
     n = len(eqn.outvars)
     if not any(True for _ in subjaxprs(eqn)):
         return [True] * n
     jaxpr = eqn_as_jaxpr(eqn)
-    is_lin = [isinstance(x, Lin) for x in vals]
     out = []
     for k in range(n):
         used = used_inputs(jaxpr, [j == k for j in range(n)])
@@ -401,3 +404,59 @@ def dense_fallback(ctx: Context, eqn, vals, reason: str | None = None) -> list:
         if is_lin[k]:
             outs[k] = Lin(blocks[k], v.aval.shape, v.aval.dtype)
     return outs
+
+
+# The operands of a product that a linear operand multiplies: a constant there scales the
+# linear map (`div`: the denominator).
+_FACTORS = {"mul": (0, 1), "div": (1,), "dot_general": (0, 1), "conv_general_dilated": (0, 1)}
+
+
+def may_add_constants(jaxpr, linear) -> bool:
+    """Whether the linear program `jaxpr` (its inputs flagged `linear` are the linear ones)
+    may hold a constant term, which its structure leaves out but `jax.jvp` adds to every
+    product: a floating value that does not depend on the linear inputs, entering an
+    equation that does other than as a factor of a product (a summand of `add`, a case of
+    `select_n`, the padding of `pad`), or as a factor known when the program is traced
+    (`0.0`, which the structure makes a zero block and `jax.jvp` multiplies).
+
+    Such terms are what a custom JVP rule gives a zero tangent it instantiates (`xlogy`'s
+    `y_dot * x / y`: NaN at `x = y = 0`), and the zeros `pad` or `concatenate` give the rows
+    of a constant, which a later product with an infinite partial derivative makes NaN
+    whatever the vector. Conservative: any such value entering a loop or a branch counts.
+
+    **Arguments:**
+
+    - `jaxpr`: a `Jaxpr`, the linear program.
+    - `linear`: one bool per input of `jaxpr`.
+
+    **Returns:** a bool, known when the program is traced.
+    """
+    depends = {v for v, lin in zip(jaxpr.invars, linear) if lin}
+    known = set()
+    for eqn in jaxpr.eqns:
+        is_lin = [not is_literal(v) and v in depends for v in eqn.invars]
+        if not any(is_lin):
+            if all(is_literal(v) or v in known for v in eqn.invars):
+                known.update(eqn.outvars)
+            continue
+        constants = [
+            i
+            for i, (v, lin) in enumerate(zip(eqn.invars, is_lin))
+            if not lin and jnp.issubdtype(v.aval.dtype, jnp.inexact)
+        ]
+        sub = call_jaxpr(eqn, custom_jvp=True)
+        if sub is not None:
+            if may_add_constants(sub[0], is_lin):
+                return True
+        elif constants and any(True for _ in subjaxprs(eqn)):
+            return True
+        else:
+            factors = next((f for name, f in _FACTORS.items() if eqn.primitive is prim(name)), ())
+            for i in constants:
+                v = eqn.invars[i]
+                if i not in factors or (not is_literal(v) and v in known):
+                    return True
+                if is_literal(v) and not np.all(np.asarray(literal_value(v)) != 0):
+                    return True
+        depends.update(v for v, d in zip(eqn.outvars, _depending_outputs(eqn, is_lin)) if d)
+    return False

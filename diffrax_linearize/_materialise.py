@@ -12,6 +12,7 @@ import lineax as lx
 import numpy as np
 
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
+from ._colouring import apply_block
 from ._compat import bind_eqn, dce_jaxpr, prim
 from ._custom_types import MaterialiseMode
 from ._interpreter import (
@@ -23,10 +24,11 @@ from ._interpreter import (
     iter_eqns,
     known,
     Lin,
+    may_add_constants,
     subjaxprs,
 )
 from ._operators import sparse_operator, SparseLinearOperator
-from ._structure import Struct
+from ._structure import Ell, Struct
 
 
 # ---- argument checking ----------------------------------------------------------------
@@ -739,6 +741,20 @@ def _materialise(fn, args, argnums, holomorphic, mode, strict, *, nan_as_jacfwd:
     return out_tree.unflatten([diff_tree.unflatten(row) for row in cells])
 
 
+def solver_jacobian(fn: Callable, *args):
+    """`materialise(fn, *args)` for the solvers' own matrices: without the check for
+    `jax.jacfwd`'s NaN pattern (see `_materialise`)."""
+    return _materialise(fn, args, 0, False, "auto", False, nan_as_jacfwd=False)
+
+
+def solver_operator(fn: Callable, *args, holomorphic: bool = False):
+    """`materialise_operator(fn, *args)` for the solvers' own operators (root finders,
+    Rosenbrock methods): without the search for rows that `jax.jvp` makes NaN whatever the
+    vector (two more Jacobian-vector products per operator), where a solve has no use for
+    `jax.jvp`'s NaN and the structure's derivative is the better one."""
+    return _materialise_operator(fn, args, 0, holomorphic, "auto", False, nan_as_jacfwd=False)
+
+
 def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.AbstractLinearOperator:
     out_struct = jax.ShapeDtypeStruct(tuple(out_aval.shape), out_aval.dtype)
     in_struct = jax.ShapeDtypeStruct(tuple(in_shape), in_dtype)
@@ -810,17 +826,35 @@ def materialise_operator(
 
     The operator is for solves: its `mv` is `jax.jvp` of `fn`, so a NaN or infinite
     derivative (a function outside its domain) affects only the entries it multiplies.
+    Where `jax.jvp` is NaN whatever the vector (a custom JVP rule that multiplies the
+    zero tangent of a constant by an infinite factor, as `xlogy`'s does at `x = y = 0`;
+    the zero rows `concatenate` gives a constant, times `sqrt`'s infinite derivative at
+    0), the operator's row is NaN too: such rows are looked for, at the cost of two more
+    Jacobian-vector products, wherever the linearisation may hold such a term (an
+    identity then comes back as a `lineax.DiagonalLinearOperator`).
     Its `as_matrix()` is lineax's matrix of the operator, which for a diagonal operator
     is NaN only on the diagonal; [`diffrax_linearize.materialise`][] is the one that
     returns `jax.jacfwd`'s array exactly, whole NaN rows included.
     """
+    return _materialise_operator(fn, args, argnums, holomorphic, mode, strict, nan_as_jacfwd=True)
+
+
+def _materialise_operator(fn, args, argnums, holomorphic, mode, strict, *, nan_as_jacfwd: bool):
     api = "diffrax_linearize.materialise_operator"
     _check_mode(mode, api)
     if not isinstance(argnums, int):
         raise TypeError(f"`{api}`: `argnums` must be a single int, got {argnums!r}.")
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, holomorphic, api)
     dynamic, static = _split_consts(closed.consts)
-    spec = _Spec(closed.jaxpr, len(diff), mode, strict, structured=True, static_consts=static)
+    spec = _Spec(
+        closed.jaxpr,
+        len(diff),
+        mode,
+        strict,
+        structured=True,
+        static_consts=static,
+        nan_as_jacfwd=nan_as_jacfwd,
+    )
     op = _run_operator(spec, dynamic, diff, rest, diff_tree, out_tree)
     out_avals = [v.aval for v in closed.jaxpr.outvars]
     if len(diff) == 1 and len(out_avals) == 1 and out_avals[0].dtype != diff[0].dtype:
@@ -845,9 +879,14 @@ def _run_operator(spec: _Spec, consts, diff, rest, diff_tree, out_tree):
 
 def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     # Built inside `jit`, where the structure (a NumPy one for an identity, say) is known.
-    blocks, ctx, forward = _structured_jacobian(spec, consts, diff, rest)
+    _, f_jvp = jax.linearize(_function(spec, consts, rest), *diff)
+    blocks, ctx, forward = _structured_jacobian(spec, consts, diff, rest, f_jvp)
     _check_strict(spec, ctx.densified, ctx.reasons)
     build = functools.partial(_blocks_operator, spec, diff, diff_tree, out_tree)
+    lin = jax.make_jaxpr(f_jvp)(*diff).jaxpr
+    if spec.nan_as_jacfwd and may_add_constants(lin, [True] * len(lin.invars)):
+        plain = build
+        build = lambda blocks: plain(_with_constant_nan_rows(spec, f_jvp, diff, blocks))
     op = build(blocks)
     if forward is None:
         return op
@@ -876,6 +915,52 @@ def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     if not same:
         return build(forward()[0])
     return eqx.combine(dynamic, static)
+
+
+def _with_constant_nan_rows(spec: _Spec, f_jvp, diff, blocks):
+    """`blocks` with NaN rows where `jax.jvp` of the function is NaN whatever the vector:
+    where the linearisation holds a constant term (see `may_add_constants`) that is not
+    finite, which `jax.jacfwd` adds to every column of the row. Such a row is one where
+    the linearisation of zeros is not finite but the push of ones through `blocks` is
+    (else the row stores an infinite partial derivative, which met a zero of the vector),
+    or where the linearisation of ones is NaN but the push through `blocks` is not (the
+    term added to a stored infinite derivative). The operator's row is then NaN in the
+    entries it stores (every row stores one for this)."""
+    zeros, ones = jax.lax.optimization_barrier(
+        ([jnp.zeros_like(x) for x in diff], [jnp.ones_like(x) for x in diff])
+    )
+    at_zeros, at_ones = f_jvp(*zeros), f_jvp(*ones)
+    out = []
+    for q, row in enumerate(blocks):
+        aval = spec.jaxpr.outvars[q].aval
+        if not jnp.issubdtype(aval.dtype, jnp.inexact) or not any(
+            math.prod(jnp.shape(x)) for x in diff
+        ):
+            out.append(row)
+            continue
+        through = [apply_block(b, o[..., None])[..., 0] for b, o in zip(row, ones) if b is not None]
+        ours = functools.reduce(jnp.add, through, jnp.zeros(aval.shape, aval.dtype))
+        bad = (jnp.logical_not(jnp.isfinite(at_zeros[q])) & jnp.isfinite(ours)) | (
+            jnp.isnan(at_ones[q]) & jnp.logical_not(jnp.isnan(ours))
+        )
+        # The NaNs go into the first block of the row that has entries.
+        p = next((p for p, b in enumerate(row) if b is not None), None)
+        if p is None:
+            p = next(p for p, x in enumerate(diff) if math.prod(jnp.shape(x)))
+            row = [*row[:p], _zero_rows(aval, jnp.shape(diff[p])), *row[p + 1 :]]
+        out.append([b.with_nan_rows(bad) if i == p else b for i, b in enumerate(row)])
+    return out
+
+
+def _zero_rows(out_aval, in_shape) -> Struct:
+    """The zero block of these shapes as an `Ell` of one masked-out entry per row (pointing
+    at the first input entry)."""
+    k, n = len(out_aval.shape), len(in_shape)
+    tmap = np.zeros((1,) + tuple(out_aval.shape), np.int32)
+    ell = Ell(tmap, np.zeros(tmap.shape, bool), tuple(range(n)))
+    labels = tuple(range(k + n))
+    zero = np.zeros((), out_aval.dtype)
+    return Struct(zero, (), labels[:k], labels[k:], out_aval.shape, in_shape, ell).canonical()
 
 
 def _is_traced(x) -> bool:

@@ -16,7 +16,7 @@ from jaxtyping import Array, Bool, PyTree, Scalar
 
 from ._compat import use_stepsize_tol
 from ._linear_solver import resolution, StructuredLinearSolver
-from ._materialise import materialise_operator
+from ._materialise import solver_operator
 
 
 def _small(diffsize: Scalar) -> Bool[Array, ""]:
@@ -50,9 +50,7 @@ def _jacobian(solver, fn, y, args) -> lx.AbstractLinearOperator:
             "initial state complex (`y0.astype(jnp.complex128)`), or every one real (split "
             "a complex array into its real and imaginary parts)."
         )
-    return materialise_operator(
-        lambda y, args: fn(y, args)[0], y, args, holomorphic=any(complex_leaves)
-    )
+    return solver_operator(lambda y, args: fn(y, args)[0], y, args, holomorphic=any(complex_leaves))
 
 
 class _ChordState(eqx.Module):

@@ -591,6 +591,30 @@ class Struct:
             Ell(tmap, None, in_axes),
         )
 
+    def with_nan_rows(self, bad) -> "Struct":
+        """The same block with every stored entry of the out positions where `bad` (a
+        boolean array of shape `out_shape`) holds set to NaN, so that a product with it is
+        NaN there whatever the vector. Every out position gets stored entries for this:
+        `val` is broadcast along the out axes (an identity becomes a diagonal), and an
+        `Ell`'s out positions with no live entry get their first entry made live (zero
+        where `bad` does not hold)."""
+        s = self.broadcast_labels(self.out_labels)
+        if s.ell is not None:
+            s = s.broadcast_labels((BAND,))
+            mask = s.ell.full_mask()
+            dead = ~mask.any(axis=0)
+            if dead.any():
+                revived = np.zeros_like(mask)
+                revived[0] = dead
+                at = expand(revived, (BAND,) + s.out_labels, s.val_labels, s.sizes)
+                val = jnp.where(at, jnp.zeros((), s.dtype), s.val)
+                ell = Ell(s.ell.tmap, mask | revived, s.ell.in_axes)
+                s = Struct(
+                    val, s.val_labels, s.out_labels, s.in_labels, s.out_shape, s.in_shape, ell
+                )
+        at = expand(bad, s.out_labels, s.val_labels, s.sizes)
+        return s.with_val(jnp.where(at, jnp.full((), jnp.nan, s.dtype), s.val))
+
     def ell_to_plain(self) -> "Struct":
         """The same block without an `Ell`: the in axes the `Ell` points into become dense
         axes of `val`. Exact; costs what a dense block costs."""

@@ -18,7 +18,13 @@ from jaxtyping import Array, PyTree
 
 from ._custom_types import MaterialiseMode
 from ._diagonal import jacobian_diagonal
-from ._materialise import _materialise, materialise, materialise_operator, structured_blocks
+from ._materialise import (
+    _materialise,
+    materialise,
+    materialise_operator,
+    solver_jacobian,
+    structured_blocks,
+)
 from ._structure import contract, place
 
 
@@ -181,9 +187,7 @@ def vf_derivative(term: diffrax.AbstractTerm, t, y, args) -> PyTree[Array]:
     api = "diffrax_linearize.vf_derivative"
     _check_term(term, api)
     _vf(term, t, y, args, api)
-    return _materialise(
-        lambda y: materialise(term, t, y, args), (y,), 0, False, "auto", False, nan_as_jacfwd=False
-    )
+    return solver_jacobian(lambda y: materialise(term, t, y, args), y)
 
 
 # ---- structure queries ----------------------------------------------------------------
@@ -469,9 +473,9 @@ def commutativity_defect(term: diffrax.AbstractTerm, t, y, args) -> Array:
             out = term.prod(term.vf(t, unravel_y(yf), args), unravel_c(cf))
             return ravel_pytree(out)[0]
 
-        return _materialise(prod, (c_flat,), 0, False, "auto", False, nan_as_jacfwd=False)
+        return solver_jacobian(prod, c_flat)
 
     g = matrix(y_flat)  # (d, m)
-    dg = _materialise(matrix, (y_flat,), 0, False, "auto", False, nan_as_jacfwd=False)
+    dg = solver_jacobian(matrix, y_flat)
     lg = jnp.einsum("ijk,kl->ijl", dg, g)  # [i, j2, j1] = (L^{j1} g^{j2})_i
     return jnp.max(jnp.abs(lg - jnp.swapaxes(lg, 1, 2)))

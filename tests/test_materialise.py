@@ -1399,6 +1399,105 @@ def test_operator_reverse_mode_nan_falls_back_to_forward():
         np.testing.assert_array_equal(jitted(x), expected)
 
 
+@jax.custom_jvp
+def _with_constant_tangent(x, c):
+    """`x`, whose JVP rule adds `c`'s tangent times infinity: `jax.jvp` instantiates the zero
+    tangent of a constant `c`, and adds `0 * inf` (NaN) to every product, as `xlogy`'s rule
+    adds `y_dot * x / y` at `x = y = 0`."""
+    return x
+
+
+@_with_constant_tangent.defjvp
+def _with_constant_tangent_jvp(primals, tangents):
+    (x, _), (x_dot, c_dot) = primals, tangents
+    return x, x_dot + c_dot * jnp.inf
+
+
+_c = jnp.ones(4)
+_CONSTANT_TERMS = {
+    # (fn, x, the operator's type, rows of jax.jvp that are NaN whatever the vector)
+    "xlogy-at-zero": (
+        lambda x: jsp.special.xlogy(x, jnp.array([0.0, -1.0, 0.0, 3.0])),
+        jnp.array([0.0, 1.0, 2.0, 2.0]),
+        lx.DiagonalLinearOperator,
+        [0, 1, 2],
+    ),
+    "identity-plus-nan-term": (
+        lambda x: _with_constant_tangent(x, _c),
+        jnp.arange(4.0),
+        lx.DiagonalLinearOperator,
+        [0, 1, 2, 3],
+    ),
+    "zero-block-plus-nan-term": (
+        lambda x: jnp.sqrt(jnp.pad(x[:0], (0, 2))),
+        jnp.arange(4.0),
+        dl.SparseLinearOperator,
+        [0, 1],
+    ),
+    "sqrt-of-concatenated-zero": (
+        lambda x: jnp.sqrt(jnp.concatenate([x, jnp.zeros(2)]))[1:],
+        jnp.arange(4.0),
+        dl.SparseLinearOperator,
+        [3, 4],
+    ),
+    "pytree": (
+        lambda p: {"a": jsp.special.xlog1py(p["u"], jnp.array([-1.0, 2.0])), "b": p["v"]},
+        {"u": jnp.array([0.0, 1.0]), "v": jnp.array([1.0, 2.0])},
+        lx.PyTreeLinearOperator,
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_CONSTANT_TERMS))
+def test_operator_mv_as_jvp_with_constant_nan_terms(name):
+    """`materialise_operator`'s `mv` is `jax.jvp` where the linearisation adds a NaN
+    constant term (a custom JVP rule's instantiated zero tangent times an infinite
+    factor, or the zero rows `concatenate` gives a constant, made NaN by `sqrt`'s infinite
+    derivative at 0): those rows are NaN whatever the vector, eager and jitted, as
+    `jax.jacfwd`'s rows are."""
+    fn, x, kind, rows = _CONSTANT_TERMS[name]
+    rng = np.random.RandomState(0)
+    v = jtu.tree_map(lambda a: jnp.asarray(rng.randn(*np.shape(a))), x)
+    _, expected = jax.jvp(fn, (x,), (v,))
+    if rows is not None:  # the test can fail: these rows are NaN, the others finite
+        assert np.flatnonzero(np.isnan(expected)).tolist() == rows
+        assert np.isnan(jax.jacfwd(fn)(x)[np.array(rows)]).all()
+    jitted = jax.jit(lambda x, v: dl.materialise_operator(fn, x).mv(v))
+    op = dl.materialise_operator(fn, x)
+    assert isinstance(op, kind), type(op)
+    for got in (op.mv(v), jitted(x, v)):
+        assert jax.tree.structure(got) == jax.tree.structure(expected)
+        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(e))
+            np.testing.assert_allclose(g, e, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "fn, flagged",
+    [
+        (lambda x: jnp.tanh(jnp.arange(16.0).reshape(4, 4) @ x) * 2, False),
+        (lambda x: jnp.sin(x) / jnp.cos(x), False),
+        (lambda x: jnp.cumsum(x[::-1]), False),
+        (lambda x: jsp.special.xlogy(x, jnp.arange(4.0)), True),
+        (lambda x: jnp.pad(x, 1), True),
+        (lambda x: jnp.where(x > 0, x, 0.0), True),
+        (lambda x: jnp.concatenate([jnp.zeros(1), x]), True),
+        (lambda x: jax.jit(lambda y: jnp.concatenate([y, jnp.zeros(1)]))(x), True),
+    ],
+)
+def test_constant_terms_found_statically(fn, flagged):
+    """Which linear programs may hold a constant term (and so get their NaN rows checked):
+    none of a product, a quotient or a prefix sum; those with a summand, a select's case, a
+    padding or a zero factor known at trace time, also inside a `jit`."""
+    from diffrax_linearize._interpreter import may_add_constants
+
+    x = jnp.arange(4.0)
+    _, f_jvp = jax.linearize(fn, x)
+    lin = jax.make_jaxpr(f_jvp)(x).jaxpr
+    assert may_add_constants(lin, [True]) == flagged
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 

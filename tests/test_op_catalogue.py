@@ -509,17 +509,7 @@ def all_cases():
 # (op, point, dtype, wrapper, api) as fnmatch patterns, and the reason. Each matching case
 # is `xfail(strict=True)`: a fix turns it into an XPASS, which fails; then remove the line.
 
-_ZERO_TANGENT_CONSTANT = (
-    "jax's custom JVP rule of xlogy/xlog1py instantiates y's zero tangent, and"
-    " 0 * x / y at x = y = 0 is a NaN constant term of the linear map, which jax.jvp adds"
-    " and ours, keeping the linear part, drops"
-)
-KNOWN_FAILURES: list[tuple[tuple[str, str, str, str, str], str]] = [
-    *[
-        ((name, "outside", "*", "*", "operator"), _ZERO_TANGENT_CONSTANT)
-        for name in ("xlogy", "xlog1py")
-    ],
-]
+KNOWN_FAILURES: list[tuple[tuple[str, str, str, str, str], str]] = []
 
 
 def _marks(case):

@@ -20,7 +20,7 @@ import numpy as np
 from diffrax import AbstractAdaptiveSolver, AbstractLocalInterpolation, RESULTS
 
 from .._linear_solver import StructuredLinearSolver
-from .._materialise import materialise_operator
+from .._materialise import solver_operator
 
 
 if TYPE_CHECKING:
@@ -381,7 +381,7 @@ class AbstractRodas(AbstractAdaptiveSolver):
         # W = I/gamma - h J as one materialised operator: the structure engine sees the
         # identity, so W keeps J's block, band or sparsity pattern (with its diagonal).
         gamma = tab.gamma
-        W = materialise_operator(lambda y, _: y / gamma - g(t0, y), flat0, None)
+        W = solver_operator(lambda y, _: y / gamma - g(t0, y), flat0, None)
         state = self.linear_solver.init(W, {})
 
         def solve(b):
@@ -636,7 +636,7 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         one = jnp.ones((), flat0.dtype)
 
         def W_of(s):
-            return materialise_operator(lambda y, _: y / gamma - s * g(t0, y), flat0, None)
+            return solver_operator(lambda y, _: y / gamma - s * g(t0, y), flat0, None)
 
         return eqx.filter_jvp(W_of, (one,), (one,))
 
