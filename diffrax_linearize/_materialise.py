@@ -12,7 +12,6 @@ import lineax as lx
 import numpy as np
 
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
-from ._colouring import apply_block
 from ._compat import bind_eqn, dce_jaxpr, prim
 from ._custom_types import MaterialiseMode
 from ._interpreter import (
@@ -536,14 +535,23 @@ def _jacfwd_cells(spec: _Spec, f_jvp, diff):
         cells = []
         offset = 0
         for x, size in zip(diff, sizes):
-            shape = tuple(aval.shape) + tuple(jnp.shape(x))
-            if c is None:  # as `jax.jacfwd` does: zeros of the output's own (integer) dtype
-                cells.append(jnp.zeros(shape, aval.dtype))
+            if c is None:
+                cells.append(_integer_cell(aval, x))
             else:
-                cells.append(c[:, offset : offset + size].reshape(shape))
+                cells.append(c[:, offset : offset + size].reshape(_cell_shape(aval, x)))
             offset += size
         out.append(cells)
     return out
+
+
+def _cell_shape(out_aval, x) -> tuple[int, ...]:
+    return tuple(out_aval.shape) + tuple(jnp.shape(x))
+
+
+def _integer_cell(out_aval, x):
+    """As `jax.jacfwd` gives the Jacobian of an integer output (whose tangent is `float0`):
+    zeros of the output's own dtype."""
+    return jnp.zeros(_cell_shape(out_aval, x), out_aval.dtype)
 
 
 def _dense_cells(spec: _Spec, blocks, diff):
@@ -553,12 +561,10 @@ def _dense_cells(spec: _Spec, blocks, diff):
         dtype = _tangent_dtype(aval.dtype)
         cells = []
         for p, b in enumerate(row):
-            shape = tuple(aval.shape) + tuple(jnp.shape(diff[p]))
             if dtype == jax.dtypes.float0:
-                # As `jax.jacfwd` does: zeros of the output's own (integer) dtype.
-                cells.append(jnp.zeros(shape, aval.dtype))
+                cells.append(_integer_cell(aval, diff[p]))
             elif b is None:
-                cells.append(jnp.zeros(shape, dtype))
+                cells.append(jnp.zeros(_cell_shape(aval, diff[p]), dtype))
             else:
                 cells.append(b.to_dense().astype(dtype))
         out.append(cells)
@@ -809,7 +815,9 @@ def materialise_operator(
     [`diffrax_linearize.StructuredLinearSolver`][]), a dense map of vectors a
     `lineax.MatrixLinearOperator`, anything else a `lineax.PyTreeLinearOperator`. With
     pytrees in or out, a `lineax.PyTreeLinearOperator` of the whole Jacobian (its structure
-    queries such as `lineax.is_diagonal` then see a dense operator).
+    queries such as `lineax.is_diagonal` then see a dense operator). A map that changes
+    dtype (`x.astype(jnp.float32)`) is a `lineax.ComposedLinearOperator` of one of these
+    and a `lineax.IdentityLinearOperator` that casts its input.
 
     **Arguments:**
 
@@ -859,15 +867,12 @@ def _materialise_operator(fn, args, argnums, holomorphic, mode, strict, *, nan_a
     out_avals = [v.aval for v in closed.jaxpr.outvars]
     if len(diff) == 1 and len(out_avals) == 1 and out_avals[0].dtype != diff[0].dtype:
         # lineax's matrix operators take their input dtype from the matrix: a map that
-        # changes dtype is given as a function of its input instead.
+        # changes dtype is the operator after a cast of its input, which lineax's identity
+        # between the two structures does. (Not a `lineax.FunctionLinearOperator`, which
+        # holds a jaxpr and so cannot be returned from `jax.jit`.)
         in_struct = jax.eval_shape(lambda: diff_tree.unflatten(diff))
-        out_dtype = out_avals[0].dtype
-
-        def mv(v):
-            v = jtu.tree_map(lambda a: jnp.asarray(a).astype(out_dtype), v)
-            return op.mv(v)
-
-        return lx.FunctionLinearOperator(mv, in_struct)
+        cast = lx.IdentityLinearOperator(in_struct, op.in_structure())
+        return lx.ComposedLinearOperator(op, cast)
     return op
 
 
@@ -921,11 +926,11 @@ def _with_constant_nan_rows(spec: _Spec, f_jvp, diff, blocks):
     """`blocks` with NaN rows where `jax.jvp` of the function is NaN whatever the vector:
     where the linearisation holds a constant term (see `may_add_constants`) that is not
     finite, which `jax.jacfwd` adds to every column of the row. Such a row is one where
-    the linearisation of zeros is not finite but the push of ones through `blocks` is
-    (else the row stores an infinite partial derivative, which met a zero of the vector),
-    or where the linearisation of ones is NaN but the push through `blocks` is not (the
-    term added to a stored infinite derivative). The operator's row is then NaN in the
-    entries it stores (every row stores one for this)."""
+    the linearisation of zeros is not finite but every entry the row stores is (else an
+    infinite stored derivative met a zero of the vector), or where the linearisation of
+    ones is NaN but no stored entry is (the term added to a stored infinite derivative).
+    The operator's row is then NaN in the entries it stores (every row stores one for
+    this)."""
     zeros, ones = jax.lax.optimization_barrier(
         ([jnp.zeros_like(x) for x in diff], [jnp.ones_like(x) for x in diff])
     )
@@ -938,10 +943,17 @@ def _with_constant_nan_rows(spec: _Spec, f_jvp, diff, blocks):
         ):
             out.append(row)
             continue
-        through = [apply_block(b, o[..., None])[..., 0] for b, o in zip(row, ones) if b is not None]
-        ours = functools.reduce(jnp.add, through, jnp.zeros(aval.shape, aval.dtype))
-        bad = (jnp.logical_not(jnp.isfinite(at_zeros[q])) & jnp.isfinite(ours)) | (
-            jnp.isnan(at_ones[q]) & jnp.logical_not(jnp.isnan(ours))
+        stored = [b for b in row if b is not None]
+        finite = functools.reduce(
+            jnp.logical_and, [b.rows_all(jnp.isfinite) for b in stored], jnp.bool_(True)
+        )
+        no_nan = functools.reduce(
+            jnp.logical_and,
+            [b.rows_all(lambda v: jnp.logical_not(jnp.isnan(v))) for b in stored],
+            jnp.bool_(True),
+        )
+        bad = (jnp.logical_not(jnp.isfinite(at_zeros[q])) & finite) | (
+            jnp.isnan(at_ones[q]) & no_nan
         )
         # The NaNs go into the first block of the row that has entries.
         p = next((p for p, b in enumerate(row) if b is not None), None)

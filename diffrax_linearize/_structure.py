@@ -591,6 +591,22 @@ class Struct:
             Ell(tmap, None, in_axes),
         )
 
+    def rows_all(self, test):
+        """For each out position, whether the elementwise predicate `test` holds for every
+        entry stored for it (the live ones of an `Ell`): a boolean array of shape
+        `out_shape`, computed from `val` alone (no gather)."""
+        s = self.broadcast_labels(self.out_labels)
+        if s.ell is not None:
+            s = s.broadcast_labels((BAND,))
+        ok = test(jnp.asarray(s.val))
+        if s.ell is not None and s.ell.mask is not None:
+            live = expand(s.ell.mask, (BAND,) + s.out_labels, s.val_labels, s.sizes)
+            ok = ok | ~live
+        axes = tuple(k for k, label in enumerate(s.val_labels) if label not in s.out_labels)
+        ok = jnp.all(ok, axis=axes)
+        kept = tuple(label for label in s.val_labels if label in s.out_labels)
+        return place(ok, kept, s.out_labels)
+
     def with_nan_rows(self, bad) -> "Struct":
         """The same block with every stored entry of the out positions where `bad` (a
         boolean array of shape `out_shape`) holds set to NaN, so that a product with it is

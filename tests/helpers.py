@@ -184,3 +184,20 @@ def primitive_names(fn, *args) -> set[str]:
 
 def random_normal(key, shape, dtype=jnp.float64):
     return jax.random.normal(key, shape, dtype=dtype)
+
+
+def assert_vmap_matches_jit(solve, y0s, *args, rtol):
+    """`jax.jit(jax.vmap(solve))` over the rows of `y0s` (the other arguments shared) gives,
+    lane by lane, what the jitted unbatched `solve` gives."""
+    batched = jax.jit(jax.vmap(solve, in_axes=(0,) + (None,) * len(args)))(y0s, *args)
+    single = jax.jit(solve)
+    for i in range(len(y0s)):
+        np.testing.assert_allclose(batched[i], single(y0s[i], *args), rtol=rtol)
+
+
+def assert_grad_matches_central_difference(loss, x, *, eps=1e-5, rtol=1e-5):
+    """The jitted `jax.grad` of a scalar `loss` at the scalar `x` against the central
+    difference with step `eps`."""
+    g = jax.jit(jax.grad(loss))(x)
+    fd = (loss(x + eps) - loss(x - eps)) / (2 * eps)
+    np.testing.assert_allclose(g, fd, rtol=rtol)

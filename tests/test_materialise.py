@@ -1474,6 +1474,33 @@ def test_operator_mv_as_jvp_with_constant_nan_terms(name):
 
 
 @pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.astype(jnp.float32),
+        lambda x: (2 * jnp.sin(x)).astype(jnp.float32),
+        lambda x: (jnp.arange(16.0).reshape(4, 4) @ x).astype(jnp.float32),
+    ],
+)
+def test_dtype_changing_operator_returned_from_jit(fn):
+    """A map that changes dtype: the operator can be returned from `jax.jit` (the op
+    catalogue's `astype` under `jit` raised: a `lineax.FunctionLinearOperator` holds a
+    jaxpr), with `jax.jacfwd`'s matrix and dtype and `jax.jvp`'s products."""
+    x = jnp.arange(4.0)
+    v = x + 1
+    expected = jax.jacfwd(fn)(x)
+    for op in (
+        dl.materialise_operator(fn, x),
+        jax.jit(dl.materialise_operator, static_argnums=0)(fn, x),
+    ):
+        assert op.in_structure() == jax.ShapeDtypeStruct((4,), jnp.float64)
+        assert op.out_structure() == jax.ShapeDtypeStruct((4,), jnp.float32)
+        matrix = op.as_matrix()
+        assert matrix.dtype == expected.dtype
+        np.testing.assert_array_equal(matrix, expected)
+        np.testing.assert_array_equal(op.mv(v), jax.jvp(fn, (x,), (v,))[1])
+
+
+@pytest.mark.parametrize(
     "fn, flagged",
     [
         (lambda x: jnp.tanh(jnp.arange(16.0).reshape(4, 4) @ x) * 2, False),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import scipy.integrate
 import scipy.linalg
+from helpers import assert_grad_matches_central_difference, assert_vmap_matches_jit
 
 
 def _robertson(t, y, args):
@@ -287,11 +288,7 @@ def test_jit_vmap():
     def solve(y0, k):
         return _solve_small(y0, k, adaptive=False)
 
-    y0s = jnp.array([[1.0, 0.5], [0.3, -0.2]])
-    batched = jax.jit(jax.vmap(solve, in_axes=(0, None)))(y0s, 2.0)
-    solve_jit = jax.jit(solve)
-    for i in range(2):
-        np.testing.assert_allclose(batched[i], solve_jit(y0s[i], 2.0), rtol=1e-10)
+    assert_vmap_matches_jit(solve, jnp.array([[1.0, 0.5], [0.3, -0.2]]), 2.0, rtol=1e-10)
 
 
 @pytest.mark.slow  # compiling the reverse pass through adaptive steps: ~30 s on 2 cores
@@ -299,10 +296,7 @@ def test_grad_recursive_checkpoint():
     def loss(k):
         return jnp.sum(_solve_small(jnp.array([1.0, 0.5]), k) ** 2)
 
-    g = jax.jit(jax.grad(loss))(2.0)
-    eps = 1e-5
-    fd = (loss(2.0 + eps) - loss(2.0 - eps)) / (2 * eps)
-    np.testing.assert_allclose(g, fd, rtol=1e-5)
+    assert_grad_matches_central_difference(loss, 2.0)
 
 
 def test_pytree_state():

@@ -10,6 +10,7 @@ import pytest
 import scipy.integrate
 import scipy.linalg
 from diffrax_linearize._solver.rosenbrock import _RODAS4P
+from helpers import assert_grad_matches_central_difference, assert_vmap_matches_jit
 from test_rosenbrock import _order_conditions, _robertson, _robertson_ref, _Y0
 
 
@@ -205,11 +206,7 @@ def _solve_small(y0, k):
 
 @pytest.mark.slow  # two compilations: ~5 s on 2 cores
 def test_jit_vmap():
-    y0s = jnp.array([[1.0, 0.5], [0.3, -0.2]])
-    batched = jax.jit(jax.vmap(_solve_small, in_axes=(0, None)))(y0s, 2.0)
-    solve_jit = jax.jit(_solve_small)
-    for i in range(2):
-        np.testing.assert_allclose(batched[i], solve_jit(y0s[i], 2.0), rtol=1e-9)
+    assert_vmap_matches_jit(_solve_small, jnp.array([[1.0, 0.5], [0.3, -0.2]]), 2.0, rtol=1e-9)
 
 
 @pytest.mark.slow  # the reverse pass through adaptive steps: compile time on 2 cores
@@ -217,10 +214,7 @@ def test_grad():
     def loss(k):
         return jnp.sum(_solve_small(jnp.array([1.0, 0.5]), k) ** 2)
 
-    g = jax.jit(jax.grad(loss))(2.0)
-    eps = 1e-5
-    fd = (loss(2.0 + eps) - loss(2.0 - eps)) / (2 * eps)
-    np.testing.assert_allclose(g, fd, rtol=1e-5)
+    assert_grad_matches_central_difference(loss, 2.0)
 
 
 def test_sde_error():
