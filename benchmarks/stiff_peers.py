@@ -18,7 +18,8 @@ on a periodic n x n grid, t in [0, 1] (`benchmarks/structure.py`).
 Contenders: ours (`Kvaerno5(root_finder=dl.VeryChord())`, `... dl.Newton()`, and
 `dl.Rodas5P()`, `dl.Rodas4P()` and the W-method `dl.ROS34PW2()` (Jacobian
 and factorisation reused across steps) where the package has them, these three with
-`dl.PredictiveController`; the others with `diffrax.PIDController`), Diffrax's default
+`dl.PredictiveController`, ROS34PW2's with `steady=(0.9, 1.2)`; the others with
+`diffrax.PIDController`), Diffrax's default
 `Kvaerno5()`, scipy BDF and Radau (with `jac_sparsity` on the large problems), and optional
 peers: SUNDIALS CVODE (scikit-sundae), diffsol (pydiffsol, BDF and ESDIRK34) and casadi
 (cvodes). A peer not installed gives a row saying so.
@@ -382,12 +383,14 @@ PEERS = [
 def controller_for(solver, rtol, atol):
     """Our Rosenbrock solvers with `dl.PredictiveController` (Gustafsson's step control, as
     Hairer's RODAS: `diffrax.PIDController` never shrinks the step after an accepted one,
-    which rejected a step in four on OREGO); Diffrax's Runge-Kutta solvers with its own."""
-    rosenbrock = tuple(
-        getattr(dl, n) for n in ("AbstractRosenbrockW", "Rodas5P", "Rodas4P") if hasattr(dl, n)
-    )
-    if hasattr(dl, "PredictiveController") and isinstance(solver, rosenbrock):
-        return dl.PredictiveController(rtol=rtol, atol=atol)
+    which rejected a step in four on OREGO), holding the step size for the W-methods
+    (`steady`), which then reuse their factorisation; Diffrax's Runge-Kutta solvers with
+    its own."""
+    if hasattr(dl, "PredictiveController"):
+        if isinstance(solver, dl.AbstractRosenbrockW):
+            return dl.PredictiveController(rtol=rtol, atol=atol, steady=(0.9, 1.2))
+        if isinstance(solver, (dl.Rodas5P, dl.Rodas4P)):
+            return dl.PredictiveController(rtol=rtol, atol=atol)
     return diffrax.PIDController(rtol=rtol, atol=atol)
 
 

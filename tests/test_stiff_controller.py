@@ -136,7 +136,38 @@ def test_test_set_acceptance(problem, solver):
         assert rej_old > 0.2 * acc_old, (acc_old, rej_old)
 
 
-def _hairer(errors, hs, k, safety=0.9, factormin=0.2, factormax=10.0):
+@pytest.mark.slow
+def test_w_method_steady_saves_factorisations():
+    """`ROS34PW2` on OREGO at rtol 1e-6: with `steady=(0.9, 1.2)` fewer factorisations than
+    with `diffrax.PIDController` or without the band, fewer rejected steps than with
+    `diffrax.PIDController`, and as many correct digits (up to 0.05)."""
+    from benchmarks.stiff_peers import TEST_SET
+
+    rhs, y0, t1, ref, _ = TEST_SET["OREGO"]
+    rtol = atol = 1e-6
+
+    def vf(t, y, args):
+        return jnp.stack(rhs(y))
+
+    out = {}
+    for name, controller in [
+        ("pid", diffrax.PIDController(rtol=rtol, atol=atol)),
+        ("predictive", dl.PredictiveController(rtol=rtol, atol=atol)),
+        ("steady", dl.PredictiveController(rtol=rtol, atol=atol, steady=(0.9, 1.2))),
+    ]:
+        sol = _solve(vf, dl.ROS34PW2(), controller, t1, jnp.asarray(y0, jnp.float64),
+                     saveat=diffrax.SaveAt(t1=True, solver_state=True))  # fmt: skip
+        out[name] = (
+            *_counts(sol),
+            int(sol.solver_state.num_factorisations),
+            _digits(sol.ys[-1], ref, rtol, atol),
+        )
+    (acc, rej, fac, dig), (acc_p, rej_p, fac_p, dig_p) = out["steady"], out["pid"]
+    assert fac < fac_p and fac < out["predictive"][2], out
+    assert rej / acc < rej_p / acc_p and dig >= dig_p - 0.05, out
+
+
+def _hairer(errors, hs, k, safety=0.9, factormin=0.2, factormax=10.0, steady=None):
     """Hairer's RODAS step control, written out in Python floats: the factor each step's
     error gives the next step, for a sequence of (error, step size) pairs."""
     out, h_acc, e_acc, accepted = [], None, None, False
@@ -147,19 +178,23 @@ def _hairer(errors, hs, k, safety=0.9, factormin=0.2, factormax=10.0):
                 gus = (h_acc / h) * (err**2 / e_acc) ** (1 / k) / safety
                 fac = max(fac, max(1 / factormax, min(1 / factormin, gus)))
             h_acc, e_acc, accepted = h, max(1e-2, err), True
+            if steady is not None and steady[0] <= 1 / fac <= steady[1]:
+                fac = 1.0
         else:
             fac = max(fac, 1 / safety)
         out.append(1 / fac)
     return out
 
 
-def test_factors_are_hairers():
+@pytest.mark.parametrize("steady", [None, (0.9, 1.2)])
+def test_factors_are_hairers(steady):
     """Each step's new size against Hairer's formula, over a sequence of accepted and
-    rejected steps (errors rising, a rejection, a near-zero error)."""
-    controller = dl.PredictiveController(rtol=1e-3, atol=1e-6)
+    rejected steps (errors rising, a rejection, a near-zero error); with `steady`, the
+    factors in the band are 1."""
+    controller = dl.PredictiveController(rtol=1e-3, atol=1e-6, steady=steady)
     y0 = jnp.array([1.0, 2.0])
     k = 4
-    errors = [0.5, 0.3, 0.8, 1.7, 0.95, 1e-12, 0.6]
+    errors = [0.5, 0.3, 0.8, 1.7, 0.95, 1e-12, 0.6, 0.55]
     t0, t1 = 0.0, 0.1
     _, state = controller.init(
         diffrax.ODETerm(lambda t, y, a: -y), 0.0, 1.0, y0, 0.1, None, None, k
@@ -176,9 +211,12 @@ def test_factors_are_hairers():
         hs.append(t1 - t0)
         factors.append((float(t1_next) - float(t0_next)) / (t1 - t0))
         t0, t1 = float(t0_next), float(t1_next)
-    np.testing.assert_allclose(factors, _hairer(errors, hs, k), rtol=1e-12)
-    # The predicted factor was the smaller one on the third step (the error rose).
-    assert factors[2] < 0.9 * 0.8 ** (-1 / k)
+    expected = _hairer(errors, hs, k, steady=steady)
+    np.testing.assert_allclose(factors, expected, rtol=1e-12)
+    if steady is None:  # the predicted factor was the smaller on the third step (error rose)
+        assert factors[2] < 0.9 * 0.8 ** (-1 / k)
+    else:  # the band held some steps, and the check can fail
+        assert 1.0 in factors and _hairer(errors, hs, k) != expected
 
 
 def test_failed_step_is_rejected_with_the_largest_decrease():
@@ -297,6 +335,7 @@ def test_dtmax_and_dtmin():
         (dict(rtol=None, atol=1e-6), "needs tolerances"),
         (dict(rtol=1e-3, atol=1e-6, factormin=1.0), "factormin < 1"),
         (dict(rtol=1e-3, atol=1e-6, safety=0.0), "safety > 0"),
+        (dict(rtol=1e-3, atol=1e-6, steady=1.2), "a pair"),
     ],
 )
 def test_errors(kwargs, match):
