@@ -34,9 +34,7 @@ class PredictiveState(eqx.Module):
     any_accepted: Bool[Array, ""]
 
 
-class PredictiveController(
-    diffrax.AbstractAdaptiveStepSizeController[PredictiveState, RealScalarLike | None]
-):
+class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
     r"""Gustafsson's predictive step-size controller (K. Gustafsson, *Control-theoretic
     techniques for stepsize selection in implicit Runge-Kutta methods*, ACM TOMS 20,
     1994; Hairer & Wanner, *Solving ODEs II*, section IV.8), for stiff solvers such as

@@ -341,3 +341,20 @@ def test_dtmax_and_dtmin():
 def test_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         dl.PredictiveController(**kwargs)
+
+
+def test_wrapped_by_clip_controller():
+    """`diffrax.ClipStepSizeController` takes it as any adaptive controller: every
+    `step_ts` is a step end, and the solve meets its tolerance."""
+    step_ts = np.array([0.5, 1.0, 3.0])
+    controller = diffrax.ClipStepSizeController(
+        dl.PredictiveController(rtol=1e-6, atol=1e-10), step_ts=jnp.asarray(step_ts)
+    )
+    y0 = jnp.array([1.0, 0.0, 0.0])
+    sol = _solve(_robertson, dl.Rodas4P(), controller, 10.0, y0, saveat=diffrax.SaveAt(steps=True))
+    ts = np.asarray(sol.ts)
+    assert set(step_ts) <= set(ts[np.isfinite(ts)].tolist())
+    ref = scipy.integrate.solve_ivp(
+        _robertson_np, (0, 10.0), [1.0, 0.0, 0.0], method="Radau", rtol=1e-10, atol=1e-14
+    ).y[:, -1]
+    assert _digits(sol.ys[np.isfinite(ts)][-1], ref, 1e-6, 1e-10) > 5
