@@ -17,7 +17,9 @@ on a periodic n x n grid, t in [0, 1] (`benchmarks/structure.py`).
 
 Contenders: ours (`Kvaerno5(root_finder=dl.VeryChord())`, `... dl.Newton()`, and
 `dl.Rodas5P()`, `dl.Rodas4P()` and the W-method `dl.ROS34PW2()` (Jacobian
-and factorisation reused across steps) where the package has them), Diffrax's default
+and factorisation reused across steps) where the package has them, these three with
+`dl.PredictiveController`, ROS34PW2's with `steady=(0.9, 1.2)`; the others with
+`diffrax.PIDController`), Diffrax's default
 `Kvaerno5()`, scipy BDF and Radau (with `jac_sparsity` on the large problems), and optional
 peers: SUNDIALS CVODE (scikit-sundae), diffsol (pydiffsol, BDF and ESDIRK34) and casadi
 (cvodes). A peer not installed gives a row saying so.
@@ -378,11 +380,27 @@ PEERS = [
 ]  # noqa: E501
 
 
+def controller_for(solver, rtol, atol):
+    """Our Rosenbrock solvers with `dl.PredictiveController` (Gustafsson's step control, as
+    Hairer's RODAS: `diffrax.PIDController` never shrinks the step after an accepted one,
+    which rejected a step in four on OREGO), holding the step size for the W-methods
+    (`steady`), which then reuse their factorisation; Diffrax's Runge-Kutta solvers with
+    its own."""
+    if hasattr(dl, "PredictiveController"):
+        if isinstance(solver, dl.AbstractRosenbrockW):
+            return dl.PredictiveController(rtol=rtol, atol=atol, steady=(0.9, 1.2))
+        if isinstance(solver, (dl.Rodas5P, dl.Rodas4P)):
+            return dl.PredictiveController(rtol=rtol, atol=atol)
+    return diffrax.PIDController(rtol=rtol, atol=atol)
+
+
 def _jax_solve(make_solver, rhs_jnp, y0, t1, rtol, atol):
+    solver = make_solver()
+
     def fn(y0):
         sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(lambda t, y, args: rhs_jnp(y)), make_solver(), 0.0, t1, None, y0,
-            stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
+            diffrax.ODETerm(lambda t, y, args: rhs_jnp(y)), solver, 0.0, t1, None, y0,
+            stepsize_controller=controller_for(solver, rtol, atol),
             max_steps=200_000, throw=False,
         )  # fmt: skip
         return (

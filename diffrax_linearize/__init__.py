@@ -57,6 +57,10 @@ from ._squared_grads import (
     sum_squared_grads as sum_squared_grads,
     value_grad_and_sum_squared_grads as value_grad_and_sum_squared_grads,
 )
+from ._step_size_controller import (
+    PredictiveController as PredictiveController,
+    PredictiveState as PredictiveState,
+)
 from ._term import (
     commutativity_defect as commutativity_defect,
     is_additive_noise as is_additive_noise,

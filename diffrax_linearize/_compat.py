@@ -12,6 +12,7 @@ from diffrax._heuristics import is_sde as is_sde, is_unsafe_sde as is_unsafe_sde
 from diffrax._root_finder import use_stepsize_tol as use_stepsize_tol
 from diffrax._saveat import save_y as save_y
 from diffrax._solver.srk import AbstractSRK as AbstractSRK, AdditiveCoeffs as AdditiveCoeffs
+from diffrax._step_size_controller.pid import _select_initial_step
 from jax.extend.core import primitives as _prims
 from jax.interpreters import ad as ad, batching as batching, mlir as mlir
 
@@ -20,6 +21,9 @@ from jax.interpreters import ad as ad, batching as batching, mlir as mlir
 # forward pass and checks are exactly Diffrax's.
 nondiff_solver_controller_state = _diffrax_adjoint._nondiff_solver_controller_state
 only_transpose_ys = _diffrax_adjoint._only_transpose_ys
+# Diffrax 0.7.2's initial step (Hairer, Norsett & Wanner I, section II.4), so that
+# `PredictiveController` starts where `diffrax.PIDController` does.
+select_initial_step = _select_initial_step
 
 
 Jaxpr = jex_core.Jaxpr

@@ -336,7 +336,8 @@ class AbstractRodas(AbstractAdaptiveSolver):
     gives. A non-autonomous vector field's $\partial f / \partial t$ is one `jax.jvp` in
     $t$. The error estimate is the last stage's increment, the difference between the
     solution and the embedded one (both stiffly accurate: the last stages are at $t_1$),
-    as in OrdinaryDiffEq.jl; use it with a `diffrax.PIDController`.
+    as in OrdinaryDiffEq.jl; use it with a [`diffrax_linearize.PredictiveController`][]
+    (a `diffrax.PIDController` works too, with more rejected steps).
 
     For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
     float32 or float64 (it is flattened with `jax.flatten_util.ravel_pytree`; a single
@@ -415,7 +416,8 @@ class Rodas5P(AbstractRodas):
     - **Error estimate:** the increment $k_8$ of the last stage, which is the difference
       between the order-5 solution and the embedded order-4 one (both stiffly accurate:
       stages 6 to 8 are at $t_1$), as in OrdinaryDiffEq.jl; use it with a
-      `diffrax.PIDController`.
+      [`diffrax_linearize.PredictiveController`][] (a `diffrax.PIDController` never
+      shrinks the step after an accepted one, and rejects more steps).
     - **Interpolation:** Rodas5P's own dense output, $y(t_0 + s h) = (1 - s) y_0 + s (y_1 +
       (1 - s)(q_1 + s (q_2 + s q_3)))$ with the $q_i$ fixed combinations of the stage
       increments (the tableau's `h` coefficients): a degree-4 polynomial, order 4.
@@ -445,7 +447,7 @@ class Rodas5P(AbstractRodas):
     sol = diffrax.diffeqsolve(
         diffrax.ODETerm(robertson), dl.Rodas5P(), t0=0.0, t1=100.0, dt0=1e-4,
         y0=jnp.array([1.0, 0.0, 0.0]),
-        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-10),
+        stepsize_controller=dl.PredictiveController(rtol=1e-6, atol=1e-10),
     )
     ```
     """
@@ -493,7 +495,7 @@ class Rodas4P(AbstractRodas):
     sol = diffrax.diffeqsolve(
         diffrax.ODETerm(robertson), dl.Rodas4P(), t0=0.0, t1=100.0, dt0=1e-4,
         y0=jnp.array([1.0, 0.0, 0.0]),
-        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-10),
+        stepsize_controller=dl.PredictiveController(rtol=1e-6, atol=1e-10),
     )
     ```
     """
@@ -721,7 +723,9 @@ class ROS34PW2(AbstractRosenbrockW):
     moderate tolerances.
 
     - **Error estimate:** the difference between the order-3 solution and the embedded
-      order-2 one; use it with a `diffrax.PIDController`.
+      order-2 one; use it with a [`diffrax_linearize.PredictiveController`][] with
+      `steady=(0.9, 1.2)`, which keeps the step size, and so the factorisation, through
+      small changes.
     - **Interpolation:** cubic Hermite, from $f$ at both ends of the step.
 
     **Arguments:**
@@ -751,7 +755,7 @@ class ROS34PW2(AbstractRosenbrockW):
     sol = diffrax.diffeqsolve(
         diffrax.ODETerm(robertson), dl.ROS34PW2(), t0=0.0, t1=100.0, dt0=1e-4,
         y0=jnp.array([1.0, 0.0, 0.0]),
-        stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-8),
+        stepsize_controller=dl.PredictiveController(rtol=1e-4, atol=1e-8, steady=(0.9, 1.2)),
         saveat=diffrax.SaveAt(t1=True, solver_state=True),
     )
     sol.solver_state.num_jacobians  # far fewer than sol.stats["num_steps"]
