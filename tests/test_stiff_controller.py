@@ -78,6 +78,7 @@ def _counts(sol):
     return int(sol.stats["num_accepted_steps"]), int(sol.stats["num_rejected_steps"])
 
 
+@pytest.mark.slow  # the default suite's ten minutes on two cores
 def test_orego_reference():
     # The recorded reference is what a tight Radau solve gives (cheap enough: t <= 60).
     sol = scipy.integrate.solve_ivp(
@@ -279,6 +280,7 @@ def _grad_check(forward: bool):
     np.testing.assert_allclose(g, (plus - minus) / (2 * eps), rtol=1e-7)
 
 
+@pytest.mark.slow  # the default suite's ten minutes on two cores
 def test_derivative_is_that_of_the_steps_taken():
     _grad_check(forward=True)
 
@@ -306,6 +308,7 @@ def test_float32():
     assert _digits(sol.ys[-1], ref, 1e-4, 1e-8) > 3
 
 
+@pytest.mark.slow  # the default suite's ten minutes on two cores
 def test_pytree_state_takes_the_steps_of_the_array():
     controller = dl.PredictiveController(rtol=1e-6, atol=1e-10)
 
@@ -321,6 +324,7 @@ def test_pytree_state_takes_the_steps_of_the_array():
     np.testing.assert_allclose(tree.ys["b"][-1], flat.ys[-1, 2], rtol=1e-12)
 
 
+@pytest.mark.slow  # the default suite's ten minutes on two cores
 def test_dtmax_and_dtmin():
     y0 = jnp.array([1.0, 0.0, 0.0])
     capped = dl.PredictiveController(rtol=1e-6, atol=1e-10, dtmax=0.5)
@@ -346,6 +350,7 @@ def test_errors(kwargs, match):
         dl.PredictiveController(**kwargs)
 
 
+@pytest.mark.slow  # the default suite's ten minutes on two cores
 def test_wrapped_by_clip_controller():
     """`diffrax.ClipStepSizeController` takes it as any adaptive controller: every
     `step_ts` is a step end, and the solve meets its tolerance."""
