@@ -892,6 +892,42 @@ def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     if spec.nan_as_jacfwd and may_add_constants(lin, [True] * len(lin.invars)):
         plain = build
         build = lambda blocks: plain(_with_constant_nan_rows(spec, f_jvp, diff, blocks))
+    op = _structured_operator(build, blocks, forward)
+    if spec.nan_as_jacfwd and isinstance(op, lx.MatrixLinearOperator | lx.PyTreeLinearOperator):
+        op = _dense_operator_as_jacfwd(spec, f_jvp, diff, op)
+    return op
+
+
+def _dense_operator_as_jacfwd(spec: _Spec, f_jvp, diff, op):
+    """A dense operator with a non-finite entry is `jax.jacfwd`'s matrix, NaN pattern
+    included, computed in a branch that runs only then (as `materialise` does; see
+    `_dense_jacobian`): the structured walk can form NaN where `jax.jacfwd` does not (a
+    singular solve in one lane of a `jax.vmap`ped `jnp.linalg.inv` reaching the others'
+    rows), which `mv` would then add to finite products."""
+    if isinstance(op, lx.MatrixLinearOperator):
+        leaves, treedef = [op.matrix], None
+    else:
+        leaves, treedef = jtu.tree_flatten(op.pytree)
+    inexact = [x for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not inexact:
+        return op
+    finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in inexact])
+
+    @jax.jit  # named as `materialise`'s, so that tests can tell it from the rest
+    def nonfinite_fallback():
+        cells = [c for row in _jacfwd_cells(spec, f_jvp, diff) for c in row]
+        if treedef is None:
+            (cell,) = cells
+            return [cell.reshape(op.matrix.shape).astype(op.matrix.dtype)]
+        return [c.astype(jnp.result_type(x)) for c, x in zip(cells, leaves)]
+
+    kept = jax.lax.cond(finite, lambda: [jnp.asarray(x) for x in leaves], nonfinite_fallback)
+    if treedef is None:
+        return lx.MatrixLinearOperator(kept[0])
+    return lx.PyTreeLinearOperator(jtu.tree_unflatten(treedef, kept), op.out_structure())
+
+
+def _structured_operator(build, blocks, forward):
     op = build(blocks)
     if forward is None:
         return op

@@ -1444,9 +1444,20 @@ def join(blocks: list[Struct], dtype) -> Struct:
     for b in blocks[1:]:
         t = add(t, _cast(b, dtype))
     t = t.canonical()
-    if t.ell is not None:
-        t = t.broadcast_labels(list(t.out_labels) + [BAND]).canonical()
-    return t
+    # The sum of structures with known values (the loops' templates hold zeros) may be
+    # compressed along the axes where those values are constant (`compress`): every axis
+    # of zeros. Each axis along which a block's `val` varies is put back.
+    labels = list(t.out_labels) + [BAND] if t.ell is not None else []
+    pattern = () if t.ell is None else t.ell.in_axes
+    for b in blocks:
+        b = b.canonical()
+        for label in b.val_labels:
+            if label in b.out_labels:
+                labels.append(t.out_labels[b.out_labels.index(label)])
+            elif label in b.in_labels and b.in_labels.index(label) not in pattern:
+                labels.append(t.in_labels[b.in_labels.index(label)])
+    labels = [label for label in dict.fromkeys(labels) if label in t.sizes]
+    return t.broadcast_labels(labels).canonical()
 
 
 def conform(block: Struct, template: Struct):

@@ -578,6 +578,25 @@ def _(dt):
     return fn, (_input((3,), dt),)
 
 
+@case("scan_of_a_reversed_product")
+def _(dt):
+    # The carry's block: a reversal pattern (an `Ell`) whose values vary along the last in
+    # axis (mixed by `M`). The loop's template of it is a sum of zeros, which `compress`
+    # makes constant along every axis: `join` must put that in axis back (found by the
+    # random programs, seed 1113: "5 is not in list").
+    M = _const((2, 2), 34, dt)
+    xs = _const((3, 5, 5, 2), 35, dt)
+
+    def fn(x):
+        def body(c, a):
+            c = jnp.tanh(c) * a + c / 2
+            return c, c
+
+        return lax.scan(body, (x @ M)[::-1, ::-1], xs)[0]
+
+    return fn, (_input((5, 5, 2), dt),)
+
+
 @case("scan_over_input")
 def _(dt):
     def fn(x):
@@ -1471,6 +1490,28 @@ def test_operator_mv_as_jvp_with_constant_nan_terms(name):
         for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
             np.testing.assert_array_equal(np.isnan(g), np.isnan(e))
             np.testing.assert_allclose(g, e, rtol=1e-12)
+
+
+def test_dense_operator_nan_pattern_as_jacfwd():
+    """A dense operator with a non-finite entry is `jax.jacfwd`'s matrix: a `jax.vmap`ped
+    `jnp.linalg.inv` with one singular lane gave NaN in the other lane's rows too (the op
+    catalogue's `inv` outside its domain, under `vmap`), so `mv` was NaN where `jax.jvp`
+    is finite."""
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(np.stack([np.zeros((3, 3)), rng.randn(3, 3) + 3 * np.eye(3)]))
+    v = jnp.asarray(rng.randn(2, 3, 3))
+    fn = jax.vmap(jnp.linalg.inv)
+    expected = jax.jacfwd(fn)(x)
+    _, jvp = jax.jvp(fn, (x,), (v,))
+    assert np.isnan(jvp[0]).all() and np.isfinite(jvp[1]).all()  # the test can fail
+    for op in (
+        dl.materialise_operator(fn, x),
+        jax.jit(dl.materialise_operator, static_argnums=0)(fn, x),
+    ):
+        assert isinstance(op, lx.PyTreeLinearOperator)
+        np.testing.assert_array_equal(op.as_matrix(), expected.reshape(18, 18))
+        np.testing.assert_allclose(op.mv(v), jvp, rtol=1e-12)
+        np.testing.assert_array_equal(np.isnan(op.mv(v)), np.isnan(jvp))
 
 
 @pytest.mark.parametrize(
