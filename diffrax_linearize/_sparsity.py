@@ -359,6 +359,9 @@ def _place_mask(mask, axis, out_pos, ndim):
     return arr.reshape(shape)
 
 
+_GREEDY_WORK = 2**24
+
+
 def _entry_groups(ell: Ell) -> list[list[int]]:
     """Groups of entries that can be merged: exact duplicates, then (greedily) entries whose
     masks leave them never pointing at different targets in the same row. Entries masked
@@ -378,6 +381,10 @@ def _entry_groups(ell: Ell) -> list[list[int]]:
     full = [g for g in groups if flat_m[g[0]].all()]
     partial = [g for g in groups if not flat_m[g[0]].all()]
     merged: list[tuple[list[int], np.ndarray, np.ndarray]] = []
+    if len(partial) ** 2 * flat_m.shape[1] > _GREEDY_WORK:
+        # Many partial entries (a hub's row of a graph): the greedy merge costs their
+        # number squared times the rows; `_compact_rows` merges them row by row instead.
+        return sorted(full + partial, key=lambda g: g[0])
     for g in partial:
         t, m = flat_t[g[0]], flat_m[g[0]]
         for entry in merged:
@@ -480,9 +487,19 @@ def simplify(b: Struct) -> Struct:
     if b.ell.S > 1:
         b = _compact_rows(b)
     n_group = math.prod(b.group_shape)
-    if too_full(b.ell.S, n_group):
+    if too_full(b.ell.S, n_group) and mostly_live(b.ell, n_group):
         return b.ell_to_plain()
     return as_deltas(compress(b))
+
+
+def mostly_live(ell: Ell, n_group: int) -> bool:
+    """Whether the live entries of `ell` fill more than `DENSE_FRACTION` of a dense block
+    over its in axes. A pattern as wide as its in axes because of a few long rows (a hub
+    joined to every node of a graph) is not: it stays row-compressed, so that the operator
+    stores its nonzeros only (CSR), not the dense block."""
+    rows = math.prod(ell.tmap.shape[1:])
+    live = ell.tmap.size if ell.mask is None else int(np.count_nonzero(ell.mask))
+    return live > DENSE_FRACTION * rows * n_group
 
 
 def compress(b: Struct) -> Struct:
@@ -828,7 +845,7 @@ def describe(b: Struct) -> str:
         plan = storage_plan(columns, live, math.prod(b.in_shape), tridiagonal=vector)
         text = plan.describe(math.prod(b.out_shape), columns.shape[0])
         stored = plan.stored
-    return f"{text}: {stored:,} numbers stored, dense {dense:,}"
+    return f"{text}: {stored:,} {'number' if stored == 1 else 'numbers'} stored, dense {dense:,}"
 
 
 # ---- conforming to a joined structure -----------------------------------------------------

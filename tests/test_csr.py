@@ -111,16 +111,65 @@ def test_uneven_rows_are_stored_compressed(name):
     _check_products(op, J, rtol=1e-12)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engine's own pattern is ELLPACK: a hub joined to every node makes it as "
-    "wide as the graph, so it is made dense before an operator is built",
-)
-def test_star_graph_is_stored_compressed():
-    n = 40
-    fn = _graph_field(np.array([(0, i) for i in range(1, n)]), n)
-    op = dl.materialise_operator(fn, _state(n))
+def _star(n):
+    """A hub joined to every other node."""
+    return np.array([(0, i) for i in range(1, n)])
+
+
+def _hubs_and_random(n, n_hubs=3, seed=0):
+    """A few hubs, each joined to a random two thirds of the nodes (rows wider than half
+    the graph), over a random graph."""
+    rng = np.random.default_rng(seed)
+    spokes = [(h, int(i)) for h in range(n_hubs) for i in rng.choice(n, 2 * n // 3, replace=False)]
+    spokes = np.array([e for e in spokes if e[0] != e[1]])
+    return np.concatenate([spokes, _random_graph(n, seed=seed + 1)])
+
+
+def _check_compressed(fn, y):
+    """`fn`'s operator is CSR holding each nonzero once, equal to `jax.jacfwd`'s matrix,
+    and `structure_report` says so."""
+    J = np.asarray(jax.jit(jax.jacfwd(fn))(y))
+    nnz = np.count_nonzero(J)
+    op = dl.materialise_operator(fn, y)
     assert isinstance(op, dl.CSRLinearOperator), type(op)
+    assert _stored(op) == op.nnz == nnz
+    assert_jacobian_equal(op.as_matrix(), J)
+    (kind,) = dl.structure_report(fn, y).kinds
+    lengths = np.count_nonzero(J, axis=1)
+    assert kind == (
+        f"sparse (CSR), {lengths.min()} to {lengths.max()} entries per row: "
+        f"{nnz:,} numbers stored, dense {J.size:,}"
+    ), kind
+    return op, J
+
+
+def test_star_graph_is_stored_compressed():
+    # The hub's row holds every node: as wide as the graph, but its other rows hold two
+    # entries. The engine keeps it row-compressed (it is not mostly live), and the
+    # operator stores the nonzeros only.
+    n = 40
+    fn = _graph_field(_star(n), n)
+    y = _state(n)
+    op, J = _check_compressed(fn, y)
+    assert op.nnz == 3 * n - 2
+    np.testing.assert_array_equal(op.as_matrix(), dl.materialise(fn, y))
+    _check_products(op, J, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "edges, n",
+    [
+        pytest.param(_star(2000), 2000, id="star_2000", marks=pytest.mark.slow),
+        pytest.param(_hubs_and_random(300), 300, id="hubs_and_random_300"),
+    ],
+)
+def test_hub_graphs_are_stored_compressed(edges, n):
+    fn = _graph_field(edges, n)
+    op, J = _check_compressed(fn, _state(n))
+    # The field is one this test is about: a dense block would hold more than 4x the
+    # nonzeros (what the engine's dense rule would have built).
+    assert J.size > 4 * op.nnz
+    _check_products(op, J, rtol=1e-12)
 
 
 def _laplacian_1d(u):

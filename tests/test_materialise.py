@@ -928,6 +928,15 @@ def test_zero_jacobian_operator(fn):
     assert dl.structure_report(fn, x).kinds[0].startswith("zero: 0 numbers stored")
 
 
+def test_report_counts_in_words():
+    # One number stored is "1 number", not "1 numbers"; the count is the operator's.
+    x = _input((4,), jnp.float64)
+    (kind,) = dl.structure_report(lambda x: 2.0 * x, x).kinds
+    assert kind == "scaled identity: 1 number stored, dense 16", kind
+    (kind,) = dl.structure_report(jnp.sin, x).kinds
+    assert kind == "diagonal: 4 numbers stored, dense 16", kind
+
+
 def test_operator_linear_solve():
     A, _ = _matrices()
     A = A + N * jnp.eye(N)
