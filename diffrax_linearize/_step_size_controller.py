@@ -99,18 +99,15 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
     import jax.numpy as jnp
     import diffrax_linearize as dl
 
-    def robertson(t, y, args):
-        y1, y2, y3 = y
-        return jnp.stack([
-            -0.04 * y1 + 1e4 * y2 * y3,
-            0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2,
-            3e7 * y2**2,
-        ])
+    def van_der_pol(t, y, args):  # stiff for a large mu
+        x, v = y
+        return jnp.stack([v, 1000.0 * ((1 - x**2) * v - x)])
 
+    # A W-method reuses its factorisation while the step size stays in `steady`.
+    controller = dl.PredictiveController(rtol=1e-5, atol=1e-7, steady=(0.9, 1.2))
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(robertson), dl.Rodas5P(), t0=0.0, t1=100.0, dt0=None,
-        y0=jnp.array([1.0, 0.0, 0.0]),
-        stepsize_controller=dl.PredictiveController(rtol=1e-6, atol=1e-10),
+        diffrax.ODETerm(van_der_pol), dl.ROS34PW2(), t0=0.0, t1=1.0, dt0=None,
+        y0=jnp.array([2.0, 0.0]), stepsize_controller=controller,
     )
     ```
     """
