@@ -87,7 +87,8 @@ class Op(NamedTuple):
     outside the domain; `ints` are integer arguments (traced indices), not differentiated;
     `exact` says the Jacobian is zeros and ones, so it must be equal bit for bit;
     `linear_jvp=False` that `jax.jvp` is not linear in the tangent (`reduce_precision`
-    rounds it), so an operator's `mv` is checked against `jax.jacfwd`'s matrix instead."""
+    rounds it), so an operator's `mv` is checked against `jax.jacfwd`'s matrix instead,
+    and `mode="reverse"` against `jax.jacrev`."""
 
     name: str
     fn: Callable
@@ -564,7 +565,10 @@ def check(case: Case):
     fn, args, argnums, mode = case.build()
     exact = case.op.exact
     if case.api == "materialise":
-        expected = jax.jacfwd(fn, argnums=argnums)(*args)
+        # Where `jax.jvp` is not linear (it rounds the tangent), reverse mode rounds the
+        # cotangent instead: its Jacobian is `jax.jacrev`'s.
+        reference = jax.jacrev if mode == "reverse" and not case.op.linear_jvp else jax.jacfwd
+        expected = reference(fn, argnums=argnums)(*args)
         actual = _call(case, dl.materialise)
         assert_jacobian_equal(actual, expected, exact=exact, what=case.id)
     elif case.api == "operator":
