@@ -18,8 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._colouring import apply_block, colour_columns, decompress, pattern_of
-from ._compat import bind_eqn, prim, scan_counts
-from ._interpreter import Context, dense_fallback, eval_jaxpr, interpret, Lin, register_rule
+from ._compat import bind_eqn, is_literal, prim, scan_counts
+from ._interpreter import (
+    Context,
+    dense_fallback,
+    eval_jaxpr,
+    interpret,
+    known,
+    Lin,
+    register_rule,
+)
 from ._rules import conform, join
 from ._sparsity import too_full
 from ._structure import Ell, fresh_label, Struct
@@ -364,6 +372,108 @@ def _scan_as_map(ctx, body, consts, xs):
     ]
     closed = jax.make_jaxpr(mapped)(*avals)
     return interpret(ctx, closed.jaxpr, closed.consts, list(consts) + list(xs))
+
+
+# ---- loops over cells ---------------------------------------------------------------------
+
+# A `scan` whose trip count and integer carries are known at trace time, and whose body
+# indexes an array by them (`fori_loop(1, n, lambda i, out: out.at[i].set(f(y[i], y[i-1])))`,
+# a loop over the cells of a grid), has a Jacobian as sparse as its cells' coupling; but
+# rolled, its indices are traced values, and the carries' structure can only be joined over
+# every index: dense. Unrolled, every iteration's indices are known at trace time and its
+# gathers and scatters keep their pattern. `is_cell_loop` finds such loops and `unrolled`
+# evaluates one unrolled; the linearisation (`_materialise._coloured_cell_loop`) unrolls it
+# abstractly, for the pattern alone, and keeps the loop rolled in the program.
+_CELL_LOOP_MAX_LENGTH = 256
+_CELL_LOOP_MAX_EQUATIONS = 1 << 15
+_INDEXING = (
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "gather",
+    "scatter",
+    "scatter-add",
+    "scatter-mul",
+    "scatter-min",
+    "scatter-max",
+)
+
+
+def _known_integer(x) -> bool:
+    k = known(x)
+    return k is not None and not np.issubdtype(k.dtype, np.inexact)
+
+
+def _integral(aval) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return isinstance(dtype, np.dtype) and not np.issubdtype(dtype, np.inexact)
+
+
+def is_cell_loop(eqn, vals) -> bool:
+    """Whether `eqn` is a `scan` over cells: short enough to unroll, with integers known at
+    trace time in every iteration (carries that stay known through its body, as loop
+    counters do, or scanned inputs) that index an array of traced values there."""
+    if eqn.primitive is not prim("scan"):
+        return False
+    params = eqn.params
+    length = params["length"]
+    body = params["jaxpr"].jaxpr
+    if length > _CELL_LOOP_MAX_LENGTH or length * len(body.eqns) > _CELL_LOOP_MAX_EQUATIONS:
+        return False
+    nc, nk = scan_counts(params)
+    # The body's variables known at trace time, given which of its inputs are: integers
+    # computed from known integers alone. Carries must stay known through an iteration.
+    carried = [k for k in range(nk) if _known_integer(vals[nc + k])]
+    while True:
+        inputs = {v for v, x in zip(body.invars[:nc], vals[:nc]) if _known_integer(x)}
+        inputs |= {body.invars[nc + k] for k in carried}
+        inputs |= {v for v, x in zip(body.invars[nc + nk :], vals[nc + nk :]) if _known_integer(x)}
+        known_vars = set(inputs)
+        for e in body.eqns:
+            if e.effects or not all(_integral(v.aval) for v in e.outvars):
+                continue
+            if all(is_literal(v) or v in known_vars for v in e.invars):
+                known_vars.update(e.outvars)
+        stay = [k for k in carried if is_literal(body.outvars[k]) or body.outvars[k] in known_vars]
+        if stay == carried:
+            break
+        carried = stay
+    if not carried and not any(_known_integer(x) for x in vals[nc + nk :]):
+        return False
+    for e in body.eqns:
+        if str(e.primitive) not in _INDEXING:
+            continue
+        indexed = any(not is_literal(v) and v in known_vars for v in e.invars)
+        traced = any(
+            not is_literal(v) and v not in known_vars and not _integral(v.aval) for v in e.invars
+        )
+        if indexed and traced:
+            return True
+    return False
+
+
+def unrolled(eqn, vals, evaluate) -> list:
+    """The outputs of the `scan` equation `eqn` on `vals`, its body evaluated once per
+    iteration by `evaluate(jaxpr, consts, invals)` (stacked outputs stacked here)."""
+    params = eqn.params
+    nc, nk = scan_counts(params)
+    closed = params["jaxpr"]
+    consts, carry, xs = list(vals[:nc]), list(vals[nc : nc + nk]), list(vals[nc + nk :])
+    length = params["length"]
+    order = range(length - 1, -1, -1) if params["reverse"] else range(length)
+    ys = [None] * length
+    for k in order:
+        outs = evaluate(closed.jaxpr, closed.consts, consts + carry + [x[k] for x in xs])
+        carry, ys[k] = list(outs[:nk]), list(outs[nk:])
+    stacked = []
+    for j, v in enumerate(eqn.outvars[nk:]):
+        parts = [y[j] for y in ys]
+        if not parts:
+            stacked.append(jnp.zeros(v.aval.shape, v.aval.dtype))
+        elif all(isinstance(x, np.ndarray | np.generic) for x in parts):
+            stacked.append(np.stack(parts).astype(v.aval.dtype))
+        else:
+            stacked.append(jnp.stack([jnp.asarray(x, v.aval.dtype) for x in parts]))
+    return carry + stacked
 
 
 # ---- while ----------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import lineax as lx
 import numpy as np
 
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
-from ._compat import bind_eqn, dce_jaxpr, prim
+from ._colouring import colour_columns, pattern_of
+from ._compat import bind_eqn, dce_jaxpr, is_literal, prim
 from ._custom_types import MaterialiseMode
 from ._interpreter import (
     call_jaxpr,
@@ -26,7 +27,9 @@ from ._interpreter import (
     may_add_constants,
     subjaxprs,
 )
+from ._loops import is_cell_loop, unrolled
 from ._operators import sparse_operator, SparseLinearOperator
+from ._sparsity import too_full
 from ._structure import Ell, Struct
 
 
@@ -264,6 +267,10 @@ def _eval_forward_differentiable(jaxpr, consts, args):
     def apply_eqn(eqn, vals):
         if eqn.primitive is prim("custom_vjp_call"):
             return _custom_vjp_as_jvp(eqn)(*vals)
+        if is_cell_loop(eqn, vals):
+            outs = _coloured_cell_loop(eqn, vals, evaluate, used.get(id(eqn)))
+            if outs is not None:
+                return outs
         if _has_custom_vjp(eqn):
             return bind_eqn(eqn.replace(params=_forward_differentiable_params(eqn)), vals)
         # Index computations on known values stay known, so that the linear program's
@@ -280,7 +287,126 @@ def _eval_forward_differentiable(jaxpr, consts, args):
             return True
         return _closes_over_known_index(eqn)
 
-    return eval_jaxpr(jaxpr, consts, args, apply_eqn, inline=inline)
+    # Which outputs of each loop the rest of its jaxpr uses: an unused carry (a running
+    # total) must not make a loop over cells look dense.
+    used = {}
+
+    def evaluate(jaxpr, consts, args):
+        read = {v for e in jaxpr.eqns for v in e.invars if not is_literal(v)}
+        read |= {v for v in jaxpr.outvars if not is_literal(v)}
+        for e in jaxpr.eqns:
+            if e.primitive is prim("scan"):
+                used[id(e)] = [v in read for v in e.outvars]
+        return eval_jaxpr(jaxpr, consts, args, apply_eqn, inline=inline)
+
+    return evaluate(jaxpr, consts, args)
+
+
+def _coloured_cell_loop(eqn, vals, evaluate, used=None):
+    """A loop over cells (see `_loops.is_cell_loop`) as a function whose JVP is its local
+    Jacobian, coloured: the pattern of that Jacobian is found at trace time by unrolling the
+    loop, where every iteration's indices are known, and interpreting the unrolled program's
+    linearisation (abstractly: nothing of it is compiled); its values by `c` JVPs of the
+    rolled loop, one per colour of that pattern; the JVP is then that sparse matrix times
+    the tangents, with indices known at trace time, which the structure rules keep. So the
+    program holds the loop rolled, and the Jacobian is as sparse as the cells' coupling.
+    `None` (the loop stays as it is) if the pattern is too full to be worth it. `used`:
+    which of the loop's outputs are used (default all); the others get zero tangents."""
+    used = [True] * len(eqn.outvars) if used is None else used
+    diff = [i for i, x in enumerate(vals) if _is_float(x)]
+    if not diff:
+        return None
+    avals = [jax.ShapeDtypeStruct(jnp.shape(vals[i]), jnp.result_type(vals[i])) for i in diff]
+
+    def with_diff(d):
+        full = list(vals)
+        for i, x in zip(diff, d):
+            full[i] = x
+        return full
+
+    found = []
+
+    def probe(*d):
+        _, f_jvp = jax.linearize(lambda *d: unrolled(eqn, with_diff(d), evaluate), *d)
+        out_avals = [v.aval for v in eqn.outvars]
+        found.append(_forward(f_jvp, d, out_avals))
+        return 0.0
+
+    jax.eval_shape(probe, *avals)
+    ((blocks, ctx),) = found
+    if ctx.densified:
+        return None
+    # Per input: a colouring of its columns valid for every output's pattern.
+    colourings = []
+    patterns = [[None] * len(diff) for _ in eqn.outvars]
+    for j, aval in enumerate(avals):
+        n = math.prod(aval.shape)
+        for k, row in enumerate(blocks):
+            if row[j] is not None and _is_float_aval(eqn.outvars[k].aval) and used[k]:
+                patterns[k][j] = pattern_of(row[j])
+                if patterns[k][j] is None:
+                    return None
+        pats = [patterns[k][j] for k in range(len(blocks)) if patterns[k][j] is not None]
+        colours = colour_columns(pats, n) if pats else np.zeros(n, np.int64)
+        c = int(colours.max(initial=0)) + 1
+        if pats and too_full(c, n):
+            return None
+        colourings.append((colours, c))
+
+    def loop(*d):
+        return bind_eqn(eqn, with_diff(d))
+
+    fn = jax.custom_jvp(loop)
+
+    @fn.defjvp
+    def fn_jvp(d, t):
+        outs = loop(*d)
+        t_outs = [
+            jnp.zeros(v.aval.shape, v.aval.dtype)
+            if _is_float_aval(v.aval)
+            else np.zeros(v.aval.shape, jax.dtypes.float0)  # an integer output's tangent
+            for v in eqn.outvars
+        ]
+        for j, (colours, c) in enumerate(colourings):
+            if all(patterns[k][j] is None for k in range(len(outs))):
+                continue
+            shape = avals[j].shape
+            seeds = np.eye(c, dtype=avals[j].dtype)[colours].reshape(shape + (c,))
+
+            def push(seed, j=j):
+                tangents = [jnp.zeros(a.shape, a.dtype) for a in avals]
+                tangents[j] = seed
+                return jax.jvp(loop, tuple(d), tuple(tangents))[1]
+
+            compressed = jax.vmap(push, in_axes=-1, out_axes=-1)(jnp.asarray(seeds))
+            flat_t = jnp.reshape(t[j], (-1,))
+            for k, v in enumerate(eqn.outvars):
+                if patterns[k][j] is None:
+                    continue
+                columns, live = patterns[k][j]
+                rows = math.prod(v.aval.shape)
+                values = jnp.take_along_axis(
+                    jnp.reshape(compressed[k], (rows, c)), jnp.asarray(colours[columns].T), axis=1
+                )
+                # The sparse product, one entry per row at a time: gathers at positions
+                # known at trace time (evaluated as such), which the structure rules keep.
+                with jax.ensure_compile_time_eval():
+                    product = sum(
+                        jnp.where(live[e], values[:, e] * flat_t[columns[e]], 0)
+                        for e in range(columns.shape[0])
+                    )
+                t_outs[k] = t_outs[k] + jnp.reshape(product, v.aval.shape).astype(v.aval.dtype)
+        return outs, t_outs
+
+    return fn(*[vals[i] for i in diff])
+
+
+def _is_float(x) -> bool:
+    return known(x) is None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _is_float_aval(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def _closes_over_known_index(eqn) -> bool:
