@@ -100,13 +100,22 @@ def _widen(templates):
     ]
 
 
-def _fixed_point(templates, avals, step, widen=True):
+_WIDENED = (
+    "its carries' row-compressed pattern grows every iteration (a stencil applied again and "
+    "again), so they were made dense over the pattern's axes"
+)
+
+
+def _fixed_point(templates, avals, step, widen=None):
     """Iterate `templates -> join(templates, step(templates))` to a fixed point, widening
-    once if it does not settle (with `widen`). `step` returns the carries' structures after
-    one iteration (a list of `{leaf: block}` or `None` per carry). Returns `None` if no
-    fixed point."""
-    for widened in (False, True) if widen else (False,):
+    once if it does not settle (with `widen`, a callback recording that loss: the name of
+    the loop's primitive is recorded in the `Context`). `step` returns the carries'
+    structures after one iteration (a list of `{leaf: block}` or `None` per carry). Returns
+    `None` if no fixed point."""
+    for widened in (False, True) if widen is not None else (False,):
         if widened:
+            if any(b.ell is not None for t in templates if t for b in t.values()):
+                widen()
             templates = _widen(templates)
         for _ in range(_MAX_ITERATIONS):
             outs = step(templates)
@@ -222,12 +231,14 @@ def _scan_rule(ctx: Context, eqn, vals):
         return _structures(outs[:nk])
 
     initial = _initial_templates(init, carry_avals)
-    templates = _fixed_point(initial, carry_avals, step, widen=False)
+    templates = _fixed_point(initial, carry_avals, step)
     if templates is None:
         out = _scan_by_colouring(ctx, eqn, vals, initial, step, length, nk, ys_structures)
         if out is not None:
             return out
-        templates = _fixed_point(initial, carry_avals, step)
+        templates = _fixed_point(
+            initial, carry_avals, step, widen=lambda: ctx.record(str(eqn.primitive), _WIDENED)
+        )
     if templates is None:
         return dense_fallback(ctx, eqn, vals, reason="its carries' structure found no fixed point")
     step(templates)  # the outputs' structures for the fixed-point carries
@@ -516,7 +527,12 @@ def _while_rule(ctx: Context, eqn, vals):
         jax.eval_shape(run, _placeholders(templates, avals))
         return along_lanes(_structures(found[0]))
 
-    templates = _fixed_point(along_lanes(_initial_templates(init, avals)), avals, step)
+    templates = _fixed_point(
+        along_lanes(_initial_templates(init, avals)),
+        avals,
+        step,
+        widen=lambda: ctx.record(str(eqn.primitive), _WIDENED),
+    )
     if templates is None:
         return dense_fallback(ctx, eqn, vals, reason="its carries' structure found no fixed point")
     templates = along_lanes(templates)

@@ -824,6 +824,26 @@ def _gather_pattern(b: Struct, src, valid, out_shape) -> Struct:
 # ---- what a pattern is ------------------------------------------------------------------
 
 
+def _plural(n: int, word: str, words: str) -> str:
+    return f"{n} {word if n == 1 else words}"
+
+
+def _structured_wording(b: Struct) -> str:
+    """A block with neither a pattern nor the form of a diagonal or a dense block: out axes
+    tied to in axes (zero off their diagonal), axes along which it is constant."""
+    parts = []
+    if b.ties:
+        parts.append(f"zero off the diagonal of {_plural(len(b.ties), 'axis pair', 'axis pairs')}")
+    constant = [
+        label
+        for label in {*b.out_labels, *b.in_labels}
+        if label not in b.val_labels and not (label in b.out_labels and label in b.in_labels)
+    ]
+    if constant:
+        parts.append(f"constant along {_plural(len(constant), 'axis', 'axes')}")
+    return "structured: " + ", ".join(parts) if parts else "structured"
+
+
 def describe(b: Struct) -> str:
     """ "identity", "diagonal", "dense 4 x 4", "block-diagonal 1000 x 3 x 3", "banded,
     offsets -1..1", "sparse, 5 entries per row", "sparse (CSR), 1 to 80 entries per row",
@@ -836,8 +856,7 @@ def describe(b: Struct) -> str:
         if kind == "dense":
             kind = f"dense {' x '.join(map(str, b.out_shape + b.in_shape)) or 'scalar'}"
         elif kind == "structured":
-            ties = b.ties
-            kind = f"structured ({len(ties)} delta axes)"
+            kind = _structured_wording(b)
         text = kind.replace("_", " ")
     else:
         columns, live = flat_pattern(b)
@@ -987,7 +1006,7 @@ class Storage:
         if self.kind in ("tridiagonal", "banded"):
             return f"banded, offsets {min(self.offsets)}..{max(self.offsets)}"
         if self.kind == "ellpack":
-            return f"sparse, {entries} entries per row"
+            return f"sparse, {_plural(entries, 'entry', 'entries')} per row"
         lo, hi = self.row_lengths
         return f"sparse (CSR), {lo} to {hi} entries per row"
 

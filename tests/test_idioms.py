@@ -297,3 +297,46 @@ def test_long_cell_loop(n):
     dense = np.asarray(jax.jacfwd(cell_loop)(y))
     np.testing.assert_allclose(np.asarray(op.as_matrix()), dense, rtol=1e-12)
     assert (_stored(op) <= 3 * n) == (n <= 257)
+
+
+# ---- the report's wording and its causes --------------------------------------------------
+
+
+def test_report_wording():
+    y = _state((6,))
+    kinds = {
+        "broadcast": dl.structure_report(lambda y: jnp.broadcast_to(y, (3, 6)), y).kinds[0],
+        "sum": dl.structure_report(lambda y: jnp.sum(y) * jnp.ones(()), y).kinds[0],
+        "permutation": dl.structure_report(lambda y: y.reshape(2, 3).T * 2, y).kinds[0],
+    }
+    assert kinds["broadcast"].startswith(
+        "structured: zero off the diagonal of 1 axis pair, constant along 1 axis: 1 number stored"
+    ), kinds
+    assert kinds["sum"].startswith("structured: constant along 1 axis: 1 number stored"), kinds
+    assert kinds["permutation"].startswith("sparse, 1 entry per row: 6 numbers stored"), kinds
+    assert not any("delta axes" in k or "1 entries" in k for k in kinds.values())
+
+
+@pytest.mark.parametrize("loop", ["while", "scan"])
+def test_loop_widening_reported(loop):
+    # A stencil applied again and again widens its band every iteration: the carries are
+    # made dense over the pattern's axes, and the report says which loop and why.
+    def field(y):
+        def body(c):
+            return jnp.roll(c, 1) * c
+
+        if loop == "while":
+            return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, body(c[1])), (0, y))[
+                1
+            ]
+        return jax.lax.fori_loop(0, 300, lambda i, c: body(c), y)
+
+    y = _state((20,))
+    report = dl.structure_report(field, y)
+    assert list(report.densified) == [loop], str(report)
+    assert "grows every iteration" in report.reasons[loop][0]
+    with pytest.raises(Exception, match=loop):
+        dl.materialise(field, y, strict=True)
+    np.testing.assert_allclose(
+        np.asarray(dl.materialise(field, y)), np.asarray(jax.jacfwd(field)(y)), rtol=1e-10
+    )
