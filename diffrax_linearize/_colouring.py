@@ -13,6 +13,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from ._sparsity import absorb_in_axes, flat_entries, simplify
 from ._structure import BAND, contract, Ell, expand, fresh_label, Struct
 
 
@@ -69,8 +70,6 @@ def apply_block(b: Struct, seeds):
             sizes,
         )
         return expand(jnp.asarray(val), labels, tuple(b.out_labels) + (label,), sizes)
-    from ._sparsity import flat_entries
-
     values, columns, _ = flat_entries(b)
     flat = jnp.reshape(seeds, (-1, c))
     out = jnp.einsum("re,rec->rc", jnp.asarray(values), flat[columns.T])
@@ -80,8 +79,6 @@ def apply_block(b: Struct, seeds):
 def pattern_of(b: Struct):
     """The flat pattern `(columns, live)` of a block over all its in axes (see
     `flat_entries`), and the number of entries per row."""
-    from ._sparsity import absorb_in_axes, flat_entries
-
     if b.ell is None:
         b = b.to_ell()
     rest = [l for l in range(len(b.in_shape)) if l not in b.ell.in_axes]
@@ -113,8 +110,6 @@ def decompress(compressed, columns, live, colours, out_shape, in_shape, dtype) -
     val = jnp.reshape(val, tuple(out_shape) + (E,))
     out_labels = [fresh_label() for _ in out_shape]
     in_labels = [fresh_label() for _ in in_shape]
-    from ._sparsity import simplify
-
     return simplify(
         Struct.build(
             val,

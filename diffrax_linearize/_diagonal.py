@@ -1,6 +1,6 @@
 """The diagonal of a Jacobian: a recursion on the structure engine that needs no
 per-primitive rules of its own. The engine's Jacobian recursion gives structured blocks;
-the diagonal is read off each one in O(stored numbers) (`Struct.diagonal`)."""
+the diagonal is read off each one in O(stored numbers) (`_sparsity.diagonal`)."""
 
 import math
 from collections.abc import Callable
@@ -11,6 +11,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._materialise import structured_blocks
+from ._sparsity import diagonal, to_dense
 
 
 def jacobian_diagonal(fn: Callable[[PyTree], PyTree], x: PyTree) -> PyTree:
@@ -49,7 +50,7 @@ def jacobian_diagonal(fn: Callable[[PyTree], PyTree], x: PyTree) -> PyTree:
     dtype = jnp.result_type(*out_leaves) if out_leaves else jnp.result_type(*in_leaves)
     if [a.shape for a in out_leaves] == in_shapes:  # leaf by leaf: the diagonal blocks
         diags = [
-            jnp.zeros(s, dtype) if blocks[p][p] is None else blocks[p][p].diagonal()
+            jnp.zeros(s, dtype) if blocks[p][p] is None else diagonal(blocks[p][p])
             for p, s in enumerate(in_shapes)
         ]
     else:  # leaves of other shapes: the diagonal crosses blocks, read densely
@@ -62,7 +63,7 @@ def jacobian_diagonal(fn: Callable[[PyTree], PyTree], x: PyTree) -> PyTree:
                 lo, hi = max(out_start, in_start), min(out_start + nq, in_start + np_)
                 if b is not None and lo < hi:
                     i = jnp.arange(lo, hi)
-                    dense = b.to_dense().reshape(nq, np_)
+                    dense = to_dense(b).reshape(nq, np_)
                     flat = flat.at[i].set(dense[i - out_start, i - in_start].astype(dtype))
                 in_start += np_
             out_start += nq

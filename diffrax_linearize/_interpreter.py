@@ -25,6 +25,7 @@ from ._compat import (
     prim,
     used_inputs,
 )
+from ._sparsity import to_dense
 from ._structure import Struct
 
 
@@ -384,7 +385,7 @@ def dense_fallback(ctx: Context, eqn, vals, reason: str | None = None) -> list:
         args, in_axes = [], []
         for x in vals:
             if isinstance(x, Lin) and p in x.blocks:
-                dense = x.blocks[p].to_dense().astype(x.dtype)
+                dense = to_dense(x.blocks[p]).astype(x.dtype)
                 args.append(dense.reshape(x.shape + (n,)))
                 in_axes.append(-1)
             elif isinstance(x, Lin):

@@ -29,7 +29,7 @@ from ._interpreter import (
     register_rule,
 )
 from ._rules import conform, join
-from ._sparsity import too_full
+from ._sparsity import ell_to_plain, too_full
 from ._structure import Ell, fresh_label, Struct
 
 
@@ -95,7 +95,7 @@ def _initial_templates(values, avals):
 
 def _widen(templates):
     return [
-        None if t is None else {p: b.ell_to_plain().canonical() for p, b in t.items()}
+        None if t is None else {p: ell_to_plain(b).canonical() for p, b in t.items()}
         for t in templates
     ]
 
@@ -165,7 +165,7 @@ def _xs_slice(x: Lin):
         if b.ell is not None:
             tmap, mask = b.ell.tmap, b.ell.full_mask()
             if not ((tmap == tmap[:, :1]).all() and (mask == mask[:, :1]).all()):
-                b = b.ell_to_plain()
+                b = ell_to_plain(b)
         if b.ell is None and b.out_labels[0] in b.in_labels:
             b = b.untie_out(0)
         b = b.canonical()

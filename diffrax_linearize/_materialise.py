@@ -29,7 +29,7 @@ from ._interpreter import (
 )
 from ._loops import is_cell_loop, unrolled
 from ._operators import sparse_operator, SparseLinearOperator
-from ._sparsity import too_full
+from ._sparsity import describe, to_dense, too_full, transpose
 from ._structure import Ell, Struct
 
 
@@ -545,7 +545,7 @@ def _reverse(f_jvp, diff, out_avals):
         row = []
         for p in range(len(diff)):
             b = outs[p].blocks.get(q)
-            row.append(None if b is None else b.transpose_io())
+            row.append(None if b is None else transpose(b))
         blocks.append(row)
     return blocks, ctx
 
@@ -692,7 +692,7 @@ def _dense_cells(spec: _Spec, blocks, diff):
             elif b is None:
                 cells.append(jnp.zeros(_cell_shape(aval, diff[p]), dtype))
             else:
-                cells.append(b.to_dense().astype(dtype))
+                cells.append(to_dense(b).astype(dtype))
         out.append(cells)
     return out
 
@@ -911,7 +911,7 @@ def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.Abstra
             c.out_shape,
         )
         return lx.DiagonalLinearOperator(diag)
-    dense = b.to_dense().astype(out_aval.dtype)
+    dense = to_dense(b).astype(out_aval.dtype)
     if len(out_aval.shape) == 1 and len(in_shape) == 1:
         return lx.MatrixLinearOperator(dense)
     return lx.PyTreeLinearOperator(dense, out_struct)
@@ -1152,7 +1152,7 @@ def _blocks_operator(spec: _Spec, diff, diff_tree, out_tree, blocks):
             [
                 jnp.zeros(tuple(aval.shape) + tuple(diff[p].shape), aval.dtype)
                 if b is None
-                else b.to_dense().astype(aval.dtype)
+                else to_dense(b).astype(aval.dtype)
                 for p, b in enumerate(row)
             ]
         )
@@ -1267,7 +1267,7 @@ def structure_report(
                 n = math.prod(out_avals[q].shape) * math.prod(jnp.shape(diff[p]))
                 text = f"zero: 0 numbers stored, dense {n:,}"
             else:
-                text = b.describe()
+                text = describe(b)
             rows.append({"output": out_paths[q], "input": in_paths[p], "structure": text})
     reasons = {k: list(v) for k, v in ctx.reasons.items()}
     return StructureReport(rows, dict(ctx.densified), dict(ctx.coloured), reasons)

@@ -16,6 +16,8 @@ import lineax as lx
 import numpy as np
 from jaxtyping import Array, Inexact
 
+from ._sparsity import compressed_diagonal, flat_entries, storage_plan
+
 
 class StaticArray:
     """A NumPy array held as static data in a module: hashed and compared by its bytes."""
@@ -293,8 +295,6 @@ class SparseLinearOperator(lx.AbstractLinearOperator):
 
     def diagonal(self):
         """The main diagonal (of the flattened square matrix)."""
-        from ._sparsity import compressed_diagonal
-
         return compressed_diagonal(self.values, self.columns.array)
 
 
@@ -678,8 +678,6 @@ def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLine
     """The lineax operator of a row-compressed block (one with an `Ell`): block-diagonal,
     tridiagonal, banded, ELLPACK or CSR, whichever `storage_plan` picks for its static
     pattern (the one that `structure_report` describes)."""
-    from ._sparsity import flat_entries, storage_plan
-
     values, columns, live = flat_entries(block)
     values = jnp.asarray(values, output_structure.dtype)
     m = values.shape[0]

@@ -25,8 +25,11 @@ from ._interpreter import (
     register_rule,
 )
 from ._sparsity import (
+    add,
     apply_known_or_traced,
     common_form,
+    conform_val,
+    ell_to_plain,
     eval_known,
     fold_out_axes,
     gather_rows,
@@ -34,7 +37,7 @@ from ._sparsity import (
     simplify,
     too_full,
 )
-from ._structure import add, BAND, contract, Ell, fresh_label, is_known, is_unit, place, Struct
+from ._structure import BAND, contract, Ell, fresh_label, is_known, is_unit, place, Struct
 
 
 # ---- helpers --------------------------------------------------------------------------
@@ -213,7 +216,7 @@ def _apply_along_out(ctx: Context, eqn, vals, positions=None, lost: str | None =
     n_out = len(x.shape)
     blocks = {}
     for p, b in x.blocks.items():
-        b = b.ell_to_plain().densify_out()
+        b = ell_to_plain(b).densify_out()
         in_side = [label for label in b.val_labels if label not in b.out_labels]
         order = list(b.out_labels) + in_side
         v = place(b.val, b.val_labels, order)
@@ -254,7 +257,7 @@ def _move_out(block: Struct, axes, fn, out_shape, pattern_known: bool = True) ->
     if pattern_known and (block.ell is not None or tied):
         return map_out_axes(block.to_ell(), axes, fn, out_shape)
     if not pattern_known:
-        block = block.ell_to_plain()
+        block = ell_to_plain(block)
     block = block.densify_out(axes).canonical()
     positions = [block.val_labels.index(block.out_labels[k]) for k in axes]
     val = apply_known_or_traced(fn, block.val, positions, np.zeros((), block.val.dtype))
@@ -699,7 +702,7 @@ def _reduce_sum_rule(b, eqn, vals, pos):
 
 def _cumsum_block(b, eqn, vals, pos):
     axis, reverse = eqn.params["axis"], eqn.params["reverse"]
-    b = b.ell_to_plain().densify_out([axis]).canonical()
+    b = ell_to_plain(b).densify_out([axis]).canonical()
     a = b.val_labels.index(b.out_labels[axis])
     return b.with_val(lax.cumsum(jnp.asarray(b.val), axis=a, reverse=reverse))
 
@@ -1077,7 +1080,7 @@ def _dot_block(b: Struct, a, lin_is_lhs: bool, dimension_numbers, out_shape, dty
     if b.ell is not None:
         folded = b.ell.S * math.prod(b.out_shape[k] for k in xc)
         if too_full(folded, math.prod(b.group_shape)):
-            b = b.ell_to_plain()  # the product is dense over the pattern's in axes
+            b = ell_to_plain(b)  # the product is dense over the pattern's in axes
         else:
             return _dot_block_ell(b, a, lin_is_lhs, xc, ac, xb, ab, out_shape, dtype)
     sizes = b.sizes
@@ -1463,8 +1466,6 @@ def join(blocks: list[Struct], dtype) -> Struct:
 def conform(block: Struct, template: Struct):
     """`block`'s values written in `template`'s structure (from `join`): an array shaped
     like `template.val`."""
-    from ._sparsity import conform_val
-
     return conform_val(_cast(block, template.dtype), template)
 
 

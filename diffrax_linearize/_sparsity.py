@@ -14,7 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._compat import is_tracer
-from ._structure import BAND, Ell, expand, fresh_label, is_known, place, Struct
+from ._structure import (
+    _plain_add,
+    BAND,
+    contract,
+    Ell,
+    expand,
+    fresh_label,
+    is_known,
+    place,
+    Struct,
+)
 
 
 # A pattern with more entries per row than this fraction of the in axes it points into is
@@ -106,7 +116,7 @@ def common_form(blocks: Sequence[Struct], force_ell: bool = False) -> list[Struc
                 k = blocks[i].out_labels.index(blocks[i].in_labels[l])
                 blocks[i] = blocks[i].untie_out(k)
             elif c[l] == "G":
-                blocks[i] = blocks[i].ell_to_plain().canonical()
+                blocks[i] = ell_to_plain(blocks[i]).canonical()
     if not force_ell and all(b.ell is None for b in blocks):
         ties = blocks[0].ties
         if all(b.ties == ties and b.out_shape == blocks[0].out_shape for b in blocks):
@@ -488,7 +498,7 @@ def simplify(b: Struct) -> Struct:
         b = _compact_rows(b)
     n_group = math.prod(b.group_shape)
     if too_full(b.ell.S, n_group) and mostly_live(b.ell, n_group):
-        return b.ell_to_plain()
+        return ell_to_plain(b)
     return as_deltas(compress(b))
 
 
@@ -554,7 +564,7 @@ def as_deltas(b: Struct) -> Struct:
 # ---- conversions ----------------------------------------------------------------------------
 
 
-def ell_to_plain(b: Struct) -> Struct:
+def _ell_to_plain(b: Struct) -> Struct:
     b = b.canonical()
     ell = b.ell
     n_out = len(b.out_shape)
@@ -593,7 +603,7 @@ def ell_to_plain(b: Struct) -> Struct:
 def compressed_diagonal(values, columns, live=None):
     """The main diagonal of a square row-compressed matrix: `values` of shape `(rows, E)`,
     NumPy `columns` (and `live`, default all) of shape `(E, rows)`. O(rows x E): the one
-    place the diagonal of a sparse pattern is read, by `Struct.diagonal`,
+    place the diagonal of a sparse pattern is read, by `_sparsity.diagonal`,
     `SparseLinearOperator.diagonal` and the Jacobi preconditioner of
     `StructuredLinearSolver`."""
     rows = values.shape[0]
@@ -603,13 +613,13 @@ def compressed_diagonal(values, columns, live=None):
     return jnp.where(hit, jnp.asarray(values), 0).sum(axis=1)
 
 
-def ell_diagonal(b: Struct):
+def _ell_diagonal(b: Struct):
     """`J[o, o]` of a canonical `Ell` block with equal out and in shapes."""
     values, columns, live = flat_entries(b)
     return compressed_diagonal(values, columns, live).reshape(b.out_shape)
 
 
-def ell_transpose(b: Struct) -> Struct:
+def _ell_transpose(b: Struct) -> Struct:
     """The transposed block, row-compressed again (entries regrouped at trace time)."""
     b = b.canonical()
     ell = b.ell
@@ -1052,3 +1062,89 @@ def storage_plan(columns, live, n_in: int, tridiagonal: bool) -> Storage:
         return Storage("ellpack", m * E, nnz)
     lengths = np.bincount(keys // max(n_in, 1), minlength=m)
     return Storage("csr", nnz, nnz, row_lengths=(int(lengths.min()), int(lengths.max())))
+
+
+# ---- the block algebra over every storage -------------------------------------------------
+#
+# `Struct` (in `_structure`) knows its plain forms: deltas, broadcasts, dense axes. What
+# needs a row-compressed pattern's algebra as well lives here, above it, so that the layering
+# is one-directional: `_structure` imports nothing of this module.
+
+
+def ell_to_plain(b: Struct) -> Struct:
+    """The same block without an `Ell`: the in axes the `Ell` points into become dense
+    axes of `val`. Exact; costs what a dense block costs."""
+    return b if b.ell is None else _ell_to_plain(b)
+
+
+def transpose(b: Struct) -> Struct:
+    """The block of the transposed map: out and in swapped. Free without an `Ell`; an
+    `Ell` is transposed at trace time."""
+    if b.ell is not None:
+        return _ell_transpose(b)
+    return Struct(
+        b.val, b.val_labels, b.in_labels, b.out_labels, b.in_shape, b.out_shape
+    ).canonical()
+
+
+def to_dense(b: Struct):
+    """The block as a plain array of shape `out_shape + in_shape`.
+
+    Built from `val` by broadcasting and selecting along the deltas: no `dot_general`.
+    Off a delta an entry is `0 * v`, `v` the value of its row, not `0`: `jax.jacfwd`
+    multiplies a derivative by the zeros of its identity basis, so a NaN or infinite
+    derivative makes its whole row NaN, and so does this (a product with an identity
+    would not: XLA rewrites it as a select). Where the block is already dense this is
+    a transpose at most.
+    """
+    b = ell_to_plain(b)
+    sizes = b.sizes
+    in_labels = list(b.in_labels)
+    deltas = []
+    for l, label in enumerate(in_labels):
+        if label in b.out_labels:
+            new = fresh_label()
+            sizes[new] = sizes[label]
+            in_labels[l] = new
+            deltas.append((label, new))
+    target = tuple(b.out_labels) + tuple(in_labels)
+    val = expand(jnp.asarray(b.val, dtype=b.dtype), b.val_labels, target, sizes)
+    if not deltas:
+        return val
+    on = None
+    for label, new in deltas:
+        eye = place(jnp.eye(sizes[label], dtype=bool), (label, new), target)
+        on = eye if on is None else on & eye
+    return jnp.where(on, val, jnp.zeros((), val.dtype) * val)
+
+
+def diagonal(b: Struct):
+    """The diagonal `J[o, o]` of a block whose out and in shapes are equal, as an array
+    of that shape, in O(stored numbers): free for a block that is a delta along every
+    axis (identity, scaled identity, diagonal); the diagonals of `val` along the axes
+    that are not deltas (block-diagonal blocks); read off the pattern for an `Ell`.
+    Only a block whose deltas pair different axes (a transpose) is made dense."""
+    assert b.out_shape == b.in_shape
+    c = b.canonical()
+    if c.ell is not None:
+        return _ell_diagonal(c)
+    if all(k == l for k, l in c.ties.items()):
+        # In axis `l` is relabelled as out axis `l`: einsum reads `val`'s diagonals.
+        rename = {label: c.out_labels[l] for l, label in enumerate(c.in_labels)}
+        labels = tuple(rename.get(label, label) for label in c.val_labels)
+        sizes = c.sizes
+        val, got = contract([(c.val, labels)], c.out_labels, sizes)
+        diag = expand(jnp.asarray(val, c.dtype), got, c.out_labels, sizes)
+        return jnp.asarray(diag, c.dtype)
+    n = math.prod(b.out_shape)
+    dense = to_dense(b).reshape(n, n)
+    return jnp.diagonal(dense).reshape(b.out_shape)
+
+
+def add(a: Struct, b: Struct) -> Struct:
+    """The sum of two blocks of the same shapes, keeping the structure they share."""
+    assert a.out_shape == b.out_shape and a.in_shape == b.in_shape
+    a, b = common_form([a, b])
+    if a.ell is None:
+        return _plain_add(a, b)
+    return simplify(ell_concat_entries([a, b]))

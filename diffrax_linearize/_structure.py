@@ -467,12 +467,6 @@ class Struct:
         """How many numbers `val` holds (the static pattern of an `Ell` is not counted)."""
         return int(np.prod(np.shape(self.val), dtype=np.int64))
 
-    def describe(self) -> str:
-        """A short description of the block's structure and storage, for reports."""
-        from ._sparsity import describe
-
-        return describe(self)
-
     # ---- elementary transformations ---------------------------------------------------
 
     def with_val(self, val) -> "Struct":
@@ -493,22 +487,6 @@ class Struct:
         if self.val.dtype == dtype:
             return self
         return self.with_val(self.val.astype(dtype))
-
-    def transpose_io(self) -> "Struct":
-        """The block of the transposed map: out and in swapped. Free without an `Ell`; an
-        `Ell` is transposed at trace time."""
-        if self.ell is not None:
-            from ._sparsity import ell_transpose
-
-            return ell_transpose(self)
-        return Struct(
-            self.val,
-            self.val_labels,
-            self.in_labels,
-            self.out_labels,
-            self.in_shape,
-            self.out_shape,
-        ).canonical()
 
     def untie_out(self, k: int) -> "Struct":
         """Replace the delta on out axis `k` by an explicit identity factor in `val`."""
@@ -631,70 +609,6 @@ class Struct:
         at = expand(bad, s.out_labels, s.val_labels, s.sizes)
         return s.with_val(jnp.where(at, jnp.full((), jnp.nan, s.dtype), s.val))
 
-    def ell_to_plain(self) -> "Struct":
-        """The same block without an `Ell`: the in axes the `Ell` points into become dense
-        axes of `val`. Exact; costs what a dense block costs."""
-        if self.ell is None:
-            return self
-        from ._sparsity import ell_to_plain
-
-        return ell_to_plain(self)
-
-    def diagonal(self):
-        """The diagonal `J[o, o]` of a block whose out and in shapes are equal, as an array
-        of that shape, in O(stored numbers): free for a block that is a delta along every
-        axis (identity, scaled identity, diagonal); the diagonals of `val` along the axes
-        that are not deltas (block-diagonal blocks); read off the pattern for an `Ell`.
-        Only a block whose deltas pair different axes (a transpose) is made dense."""
-        assert self.out_shape == self.in_shape
-        c = self.canonical()
-        if c.ell is not None:
-            from ._sparsity import ell_diagonal
-
-            return ell_diagonal(c)
-        if all(k == l for k, l in c.ties.items()):
-            # In axis `l` is relabelled as out axis `l`: einsum reads `val`'s diagonals.
-            rename = {label: c.out_labels[l] for l, label in enumerate(c.in_labels)}
-            labels = tuple(rename.get(label, label) for label in c.val_labels)
-            sizes = c.sizes
-            val, got = contract([(c.val, labels)], c.out_labels, sizes)
-            diag = expand(jnp.asarray(val, c.dtype), got, c.out_labels, sizes)
-            return jnp.asarray(diag, c.dtype)
-        n = math.prod(self.out_shape)
-        dense = self.to_dense().reshape(n, n)
-        return jnp.diagonal(dense).reshape(self.out_shape)
-
-    def to_dense(self):
-        """The block as a plain array of shape `out_shape + in_shape`.
-
-        Built from `val` by broadcasting and selecting along the deltas: no `dot_general`.
-        Off a delta an entry is `0 * v`, `v` the value of its row, not `0`: `jax.jacfwd`
-        multiplies a derivative by the zeros of its identity basis, so a NaN or infinite
-        derivative makes its whole row NaN, and so does this (a product with an identity
-        would not: XLA rewrites it as a select). Where the block is already dense this is
-        a transpose at most.
-        """
-        if self.ell is not None:
-            return self.ell_to_plain().to_dense()
-        sizes = self.sizes
-        in_labels = list(self.in_labels)
-        deltas = []
-        for l, label in enumerate(in_labels):
-            if label in self.out_labels:
-                new = fresh_label()
-                sizes[new] = sizes[label]
-                in_labels[l] = new
-                deltas.append((label, new))
-        target = tuple(self.out_labels) + tuple(in_labels)
-        val = expand(jnp.asarray(self.val, dtype=self.dtype), self.val_labels, target, sizes)
-        if not deltas:
-            return val
-        on = None
-        for label, new in deltas:
-            eye = place(jnp.eye(sizes[label], dtype=bool), (label, new), target)
-            on = eye if on is None else on & eye
-        return jnp.where(on, val, jnp.zeros((), val.dtype) * val)
-
 
 def _plain_add(a: Struct, b: Struct) -> Struct:
     """The sum of two blocks without an `Ell` and with the same ties."""
@@ -712,14 +626,3 @@ def _plain_add(a: Struct, b: Struct) -> Struct:
         if tuple(val.shape) != full:
             val = np.broadcast_to(val, full) if is_known(val) else jnp.broadcast_to(val, full)
     return Struct(val, labels, a.out_labels, a.in_labels, a.out_shape, a.in_shape)
-
-
-def add(a: Struct, b: Struct) -> Struct:
-    """The sum of two blocks of the same shapes, keeping the structure they share."""
-    assert a.out_shape == b.out_shape and a.in_shape == b.in_shape
-    from ._sparsity import common_form, ell_concat_entries, simplify
-
-    a, b = common_form([a, b])
-    if a.ell is None:
-        return _plain_add(a, b)
-    return simplify(ell_concat_entries([a, b]))

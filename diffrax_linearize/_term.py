@@ -25,6 +25,7 @@ from ._materialise import (
     solver_jacobian,
     structured_blocks,
 )
+from ._sparsity import ell_to_plain
 from ._structure import contract, place
 
 
@@ -389,7 +390,7 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
                 d = dblocks[q * n_c + p][r]
                 if d is None:
                     continue
-                d = d.ell_to_plain()
+                d = ell_to_plain(d)
                 g_rp = matrix[r * n_c + p]
                 terms = weight(g_rp, r, p)
                 y_labels = d.out_labels[:nq]

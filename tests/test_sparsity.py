@@ -133,7 +133,7 @@ def test_block_diagonal_storage(name):
     assert isinstance(op, dl.BlockDiagonalLinearOperator)
     assert op.blocks.shape == (50, 3, 3)
     assert _leaf_size(op) == 9 * 50
-    assert "block-diagonal 50 x 3 x 3" in _block(fn, x).describe()
+    assert "block-diagonal 50 x 3 x 3" in _sparsity.describe(_block(fn, x))
     np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-12)
 
 
@@ -267,7 +267,7 @@ def test_banded_storage():
     op = dl.materialise_operator(laplacian_pad, x)
     assert isinstance(op, lx.TridiagonalLinearOperator)
     assert _leaf_size(op) == 200 + 2 * 199
-    assert "banded, offsets -1..1" in _block(laplacian_pad, x).describe()
+    assert "banded, offsets -1..1" in _sparsity.describe(_block(laplacian_pad, x))
     np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(laplacian_pad)(x), rtol=1e-12)
     # A wider stencil: a banded operator of bandwidth 2 that stores only the diagonals
     # its pattern uses (offsets -2, 0 and 2: three numbers per row, not five).
@@ -426,7 +426,7 @@ def test_loop_structure_reaches_a_fixed_point():
     fn = lambda y: lax.while_loop(
         lambda s: s[0] < 4, lambda s: (s[0] + 1, robertson_stack(s[1]) * 1e-9 + s[1]), (0, y)
     )[1]
-    assert "block-diagonal 20 x 3 x 3" in _block(fn, x).describe()
+    assert "block-diagonal 20 x 3 x 3" in _sparsity.describe(_block(fn, x))
     assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-10)
 
 

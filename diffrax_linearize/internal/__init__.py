@@ -33,4 +33,10 @@ from .._interpreter import (
     rule_registry as rule_registry,
 )
 from .._materialise import structured_blocks as structured_blocks
-from .._structure import add as add, contract as contract, Struct as Struct
+from .._sparsity import (
+    add as add,
+    diagonal as diagonal,
+    to_dense as to_dense,
+    transpose as transpose,
+)
+from .._structure import contract as contract, Struct as Struct
