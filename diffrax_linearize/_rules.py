@@ -35,6 +35,7 @@ from ._sparsity import (
     gather_rows,
     map_out_axes,
     simplify,
+    to_dense,
     too_full,
 )
 from ._structure import BAND, contract, Ell, fresh_label, is_known, is_unit, place, Struct
@@ -571,20 +572,50 @@ def _dynamic_slice_rule(ctx, eqn, vals):
     if axes and _has_pattern(x):
         ctx.record(str(eqn.primitive), "its start indices are not known at trace time")
 
-    def fn(v, positions, fill):
-        idx = [jnp.zeros_like(starts[0])] * v.ndim  # starts' int type
-        sz = list(v.shape)
-        for k, a in zip(axes, positions):
-            if a is not None:
-                idx[a] = starts[k]
-                sz[a] = sizes[k]
-        return lax.dynamic_slice(v, idx, sz)
+    def slicer(moved):
+        def fn(v, positions, fill):
+            idx = [jnp.zeros_like(starts[0])] * v.ndim  # starts' int type
+            sz = list(v.shape)
+            for k, a in zip(moved, positions):
+                if a is not None:
+                    idx[a] = starts[k]
+                    sz[a] = sizes[k]
+            return lax.dynamic_slice(v, idx, sz)
 
-    blocks = {
-        p: _cast(_move_out(b, axes, fn, aval.shape, pattern_known=False), aval.dtype)
-        for p, b in x.blocks.items()
-    }
+        return fn
+
+    blocks = {}
+    for p, b in x.blocks.items():
+        # A delta on a moved axis (`y[i]` of the identity, `i` traced, in a loop over
+        # cells): its rows are one-hot at traced positions, built at the slice's size
+        # rather than by slicing the whole identity.
+        tied = [k for k in axes if b.ell is None and b.out_labels[k] in b.in_labels]
+        for k in tied:
+            b = _one_hot_rows(b, k, starts[k], sizes[k])
+        rest = [k for k in axes if k not in tied]
+        moved = _move_out(b, rest, slicer(rest), aval.shape, pattern_known=False)
+        blocks[p] = _cast(moved, aval.dtype)
     return [Lin(blocks, aval.shape, aval.dtype)]
+
+
+def _one_hot_rows(b: Struct, k: int, start, size: int) -> Struct:
+    """`b` sliced along its out axis `k`, a delta, from the traced `start` (clamped into
+    range, as `lax.dynamic_slice` does) for `size` rows: the delta becomes the rows of the
+    identity at those positions, `size x n` numbers."""
+    label = b.out_labels[k]
+    n = b.out_shape[k]
+    start = jnp.clip(start, 0, n - size)
+    rows = start + jnp.arange(size, dtype=jnp.result_type(start))
+    one_hot = (rows[:, None] == jnp.arange(n, dtype=rows.dtype)[None, :]).astype(b.dtype)
+    new = fresh_label()
+    sizes = {**b.sizes, new: size}
+    keep = tuple(dict.fromkeys((*b.val_labels, new, label)))
+    val, labels = contract([(b.val, b.val_labels), (one_hot, (new, label))], keep, sizes)
+    out_labels = list(b.out_labels)
+    out_labels[k] = new
+    out_shape = list(b.out_shape)
+    out_shape[k] = size
+    return Struct.build(val, labels, out_labels, b.in_labels, tuple(out_shape), b.in_shape)
 
 
 @register_rule(prim("pad"))
@@ -854,7 +885,54 @@ def _gather_scatter_rule(ctx, eqn, vals):
         out = _data_movement(ctx, eqn, vals)
         if out is not NotImplemented:
             return out
+    if str(eqn.primitive) in ("scatter", "scatter-add", "dynamic_update_slice"):
+        return _write_dense(ctx, eqn, vals)
     return _apply_along_out(ctx, eqn, vals, lost=_index_reason(eqn, vals))
+
+
+def _write_dense(ctx, eqn, vals):
+    """A scatter (`.at[].set/add`) or `dynamic_update_slice` whose indices are not known at
+    trace time (a loop over cells too long to unroll), its operand and updates dense: the
+    primitive applied once, the in side as trailing window axes of both. `jax.vmap` over the
+    in side would move it to the front, a transpose of the whole operand before and after:
+    in a loop, one per iteration."""
+    operand, updates = (
+        (vals[0], vals[2])
+        if str(eqn.primitive) != "dynamic_update_slice"
+        else (
+            vals[0],
+            vals[1],
+        )
+    )
+    lins = [x for x in (operand, updates) if isinstance(x, Lin)]
+    if any(_has_pattern(x) for x in lins):
+        ctx.record(str(eqn.primitive), _index_reason(eqn, vals))
+    aval = _out_aval(eqn)
+    dtype = aval.dtype
+    blocks = {}
+    for p in sorted({p for x in lins for p in x.blocks}):
+        in_shape = next(x.blocks[p].in_shape for x in lins if p in x.blocks)
+        n = math.prod(in_shape)
+
+        def dense(x):
+            if isinstance(x, Lin) and p in x.blocks:
+                d = to_dense(x.blocks[p]).astype(dtype)
+                return d.reshape(tuple(x.shape) + (n,))
+            return jnp.zeros(tuple(jnp.shape(x)) + (n,), dtype)
+
+        op, up = dense(operand), dense(updates)
+        if str(eqn.primitive) == "dynamic_update_slice":
+            starts = list(vals[2:])
+            res = lax.dynamic_update_slice(op, up, starts + [jnp.zeros_like(starts[0])])
+        else:
+            dn = eqn.params["dimension_numbers"]
+            params = dict(eqn.params)
+            params["dimension_numbers"] = dn._replace(
+                update_window_dims=tuple(dn.update_window_dims) + (up.ndim - 1,)
+            )
+            res = eqn.primitive.bind(op, vals[1], up, **params)
+        blocks[p] = Struct.from_dense(res.reshape(tuple(aval.shape) + in_shape), len(aval.shape))
+    return [Lin(blocks, aval.shape, dtype)]
 
 
 def _index_reason(eqn, vals) -> str:
@@ -912,7 +990,7 @@ def _scatter_add_rule(ctx, eqn, vals):
     idx = known(indices)
     lins = [x for x in (operand, updates) if isinstance(x, Lin)]
     if idx is None or not any(_has_pattern(x) for x in lins):
-        return _apply_along_out(ctx, eqn, vals, lost=_index_reason(eqn, vals))
+        return _write_dense(ctx, eqn, vals)
     aval = _out_aval(eqn)
     out_shape = tuple(aval.shape)
     upd_shape = tuple(eqn.invars[2].aval.shape)

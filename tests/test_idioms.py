@@ -340,3 +340,57 @@ def test_loop_widening_reported(loop):
     np.testing.assert_allclose(
         np.asarray(dl.materialise(field, y)), np.asarray(jax.jacfwd(field)(y)), rtol=1e-10
     )
+
+
+# ---- loops over cells too long to unroll ------------------------------------------------------
+
+
+def _long_loops(kind):
+    def field(y):
+        n = y.shape[0]
+
+        def body(i, out):
+            value = y[i] ** 2 - y[i - 1]
+            if kind == "set":
+                return out.at[i].set(value)
+            if kind == "add":
+                return out.at[i].add(value * y[(i + 3) % n])
+            return jax.lax.dynamic_update_slice(out, value[None] * out[i - 1][None], (i,))
+
+        return jax.lax.fori_loop(1, n, body, y if kind == "update_slice" else jnp.zeros_like(y))
+
+    return field
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("kind", ["set", "add", "update_slice"])
+def test_long_cell_loop_dense(kind):
+    # Past 256 iterations a loop over cells is dense, computed as `jax.jacfwd` would: each
+    # iteration writes one row of the carried Jacobian, and nothing of n x n size is built
+    # or transposed inside the loop (the identity sliced at a traced row is a one-hot row;
+    # the write takes the in side as trailing window axes). Checked on the program itself.
+    n = 300
+    field = _long_loops(kind)
+    y = _state((n,))
+    expected = np.asarray(jax.jacfwd(field)(y))
+    np.testing.assert_allclose(np.asarray(dl.materialise(field, y)), expected, rtol=1e-12)
+    batched = jax.vmap(lambda y: dl.materialise(field, y))(jnp.stack([y, 0.5 * y]))
+    np.testing.assert_allclose(np.asarray(batched[0]), expected, rtol=1e-12)
+    closed = jax.make_jaxpr(lambda y: dl.materialise(field, y))(y)
+    loops = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "scan"]
+    assert loops
+    for loop in loops:
+        for eqn in _eqns(loop.params["jaxpr"].jaxpr):
+            if eqn.primitive.name in ("scatter", "scatter-add", "dynamic_update_slice"):
+                continue
+            big = [v.aval.shape for v in eqn.outvars if np.prod(v.aval.shape) >= n * n]
+            assert not big, (eqn.primitive, big)
