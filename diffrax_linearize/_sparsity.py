@@ -1079,7 +1079,14 @@ def ell_to_plain(b: Struct) -> Struct:
 
 def transpose(b: Struct) -> Struct:
     """The block of the transposed map: out and in swapped. Free without an `Ell`; an
-    `Ell` is transposed at trace time."""
+    `Ell` is transposed at trace time.
+
+    **Arguments:**
+
+    - `b`: a [`Struct`][diffrax_linearize.internal.Struct] block.
+
+    **Returns:** the block of the transposed map, whose out side is `b`'s in side.
+    """
     if b.ell is not None:
         return _ell_transpose(b)
     return Struct(
@@ -1096,6 +1103,12 @@ def to_dense(b: Struct):
     derivative makes its whole row NaN, and so does this (a product with an identity
     would not: XLA rewrites it as a select). Where the block is already dense this is
     a transpose at most.
+
+    **Arguments:**
+
+    - `b`: a [`Struct`][diffrax_linearize.internal.Struct] block.
+
+    **Returns:** an array of shape `b.out_shape + b.in_shape`.
     """
     b = ell_to_plain(b)
     sizes = b.sizes
@@ -1123,7 +1136,15 @@ def diagonal(b: Struct):
     of that shape, in O(stored numbers): free for a block that is a delta along every
     axis (identity, scaled identity, diagonal); the diagonals of `val` along the axes
     that are not deltas (block-diagonal blocks); read off the pattern for an `Ell`.
-    Only a block whose deltas pair different axes (a transpose) is made dense."""
+    Only a block whose deltas pair different axes (a transpose) is made dense.
+
+    **Arguments:**
+
+    - `b`: a [`Struct`][diffrax_linearize.internal.Struct] block with equal out and in
+        shapes.
+
+    **Returns:** an array of shape `b.out_shape`.
+    """
     assert b.out_shape == b.in_shape
     c = b.canonical()
     if c.ell is not None:
@@ -1142,7 +1163,15 @@ def diagonal(b: Struct):
 
 
 def add(a: Struct, b: Struct) -> Struct:
-    """The sum of two blocks of the same shapes, keeping the structure they share."""
+    """The sum of two blocks of the same shapes, keeping the structure they share.
+
+    **Arguments:**
+
+    - `a`, `b`: [`Struct`][diffrax_linearize.internal.Struct] blocks of the same out and
+        in shapes.
+
+    **Returns:** the block of the sum of their maps.
+    """
     assert a.out_shape == b.out_shape and a.in_shape == b.in_shape
     a, b = common_form([a, b])
     if a.ell is None:

@@ -173,7 +173,7 @@ def _has_arguments_section(node: _Node) -> bool:
 
 # Internal extension hooks whose options are not described yet. The structure engine that
 # defines them is being rewritten; its new docstrings take them off this list.
-_OPTIONS_PENDING = {"diffrax_linearize.internal.Struct", "diffrax_linearize.internal.add"}
+_OPTIONS_PENDING = {"diffrax_linearize.internal.Struct"}
 
 
 def test_every_public_name_renders_with_a_description_and_its_options(site):
