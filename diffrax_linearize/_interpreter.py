@@ -411,19 +411,65 @@ def dense_fallback(ctx: Context, eqn, vals, reason: str | None = None) -> list:
 # linear map (`div`: the denominator).
 _FACTORS = {"mul": (0, 1), "div": (1,), "dot_general": (0, 1), "conv_general_dilated": (0, 1)}
 
+# Equations that move, sum or copy their operands without arithmetic on other values: zeros
+# in gives zeros out, so a zero constant term passes through them harmless.
+_ZERO_PRESERVING = (
+    "add",
+    "add_any",
+    "sub",
+    "neg",
+    "reduce_sum",
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "transpose",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "gather",
+    "scatter-add",
+    "scatter_add",
+    "scatter",
+    "concatenate",
+    "pad",
+    "select_n",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "cumsum",
+    "rev",
+    "real",
+    "imag",
+    "conj",
+    "reduce_precision",
+)
+
+
+def _is_zero_literal(v) -> bool:
+    return is_literal(v) and not np.any(np.asarray(literal_value(v)))
+
+
+def _is_finite_literal(v) -> bool:
+    return is_literal(v) and bool(np.all(np.isfinite(np.asarray(literal_value(v)))))
+
 
 def may_add_constants(jaxpr, linear) -> bool:
     """Whether the linear program `jaxpr` (its inputs flagged `linear` are the linear ones)
     may hold a constant term, which its structure leaves out but `jax.jvp` adds to every
     product: a floating value that does not depend on the linear inputs, entering an
     equation that does other than as a factor of a product (a summand of `add`, a case of
-    `select_n`, the padding of `pad`), or as a factor known when the program is traced
-    (`0.0`, which the structure makes a zero block and `jax.jvp` multiplies).
+    `select_n`, the padding of `pad`), or as a factor known to be zero when the program is
+    traced (`0.0`, which the structure makes a zero block and `jax.jvp` multiplies).
 
     Such terms are what a custom JVP rule gives a zero tangent it instantiates (`xlogy`'s
     `y_dot * x / y`: NaN at `x = y = 0`), and the zeros `pad` or `concatenate` give the rows
     of a constant, which a later product with an infinite partial derivative makes NaN
-    whatever the vector. Conservative: any such value entering a loop or a branch counts.
+    whatever the vector. A term that is zero when traced (the zeros `segment_sum` adds
+    into, the padding of `jnp.pad`) is harmless until it meets such a product: it is
+    followed through the equations that only move or sum values, and counts only where it
+    enters any other one with a factor that is not a finite literal. Conservative: any
+    such value entering a loop or a branch counts.
 
     **Arguments:**
 
@@ -432,32 +478,87 @@ def may_add_constants(jaxpr, linear) -> bool:
 
     **Returns:** a bool, known when the program is traced.
     """
+    return _constant_terms(jaxpr, linear, [False] * len(linear)) is None
+
+
+def _constant_terms(jaxpr, linear, carrying):
+    """`may_add_constants`' walk: `None` where a constant term may be added, else whether
+    each output carries a zero constant term (`carrying`: whether each input does)."""
     depends = {v for v, lin in zip(jaxpr.invars, linear) if lin}
     known = set()
+    zeros = set()  # known values that are zero: `broadcast_in_dim 0.0` and its kin
+    zero_term = {v for v, c in zip(jaxpr.invars, carrying) if c}  # linear, with a zero term
+    preserving = tuple(p for p in map(prim, _ZERO_PRESERVING) if p is not None)
     for eqn in jaxpr.eqns:
         is_lin = [not is_literal(v) and v in depends for v in eqn.invars]
         if not any(is_lin):
             if all(is_literal(v) or v in known for v in eqn.invars):
                 known.update(eqn.outvars)
+                floats = [v for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+                if (
+                    eqn.primitive in preserving
+                    and floats
+                    and all(_is_zero_literal(v) if is_literal(v) else v in zeros for v in floats)
+                ):
+                    zeros.update(eqn.outvars)
             continue
         constants = [
             i
             for i, (v, lin) in enumerate(zip(eqn.invars, is_lin))
             if not lin and jnp.issubdtype(v.aval.dtype, jnp.inexact)
         ]
+        in_carry = [not is_literal(v) and v in zero_term for v in eqn.invars]
+        carries = any(in_carry)
+        out_carry = [False] * len(eqn.outvars)
         sub = call_jaxpr(eqn, custom_jvp=True)
         if sub is not None:
-            if may_add_constants(sub[0], is_lin):
-                return True
-        elif constants and any(True for _ in subjaxprs(eqn)):
-            return True
+            found = _constant_terms(sub[0], is_lin, in_carry)
+            if found is None:
+                return None
+            out_carry = found
+        elif (
+            (constants or carries)
+            and eqn.primitive not in preserving  # a scatter's `update_jaxpr` is no branch
+            and any(True for _ in subjaxprs(eqn))
+        ):
+            return None
         else:
             factors = next((f for name, f in _FACTORS.items() if eqn.primitive is prim(name)), ())
+            adds_zero = False
             for i in constants:
                 v = eqn.invars[i]
-                if i not in factors or (not is_literal(v) and v in known):
-                    return True
-                if is_literal(v) and not np.all(np.asarray(literal_value(v)) != 0):
-                    return True
+                zero = _is_zero_literal(v) or (not is_literal(v) and v in zeros)
+                if i not in factors and zero and eqn.primitive in preserving:
+                    adds_zero = True  # a zero summand, case or padding
+                elif i not in factors or (not is_literal(v) and v in zeros):
+                    return None
+                elif is_literal(v) and not np.all(np.asarray(literal_value(v)) != 0):
+                    return None
+            if carries and eqn.primitive not in preserving:
+                # A zero term meets arithmetic: harmless only as a product with finite
+                # literal factors (`2.0 * t`), NaN where a factor is infinite.
+                others = [v for v, lin in zip(eqn.invars, is_lin) if not lin]
+                if not factors or not all(_is_finite_literal(v) for v in others):
+                    return None
+            if adds_zero or carries:
+                out_carry = _depending_outputs(eqn, is_lin)
+        zero_term.update(v for v, c in zip(eqn.outvars, out_carry) if c)
         depends.update(v for v, d in zip(eqn.outvars, _depending_outputs(eqn, is_lin)) if d)
-    return False
+    return [not is_literal(v) and v in zero_term for v in jaxpr.outvars]
+
+
+def jvp_may_add_constants(fn: Callable, args) -> bool:
+    """`may_add_constants` of `fn`'s JVP program at `args` (a list of arrays), where the
+    zeros that a constant's tangent is made of are still visible as such (`jax.linearize`
+    turns them into residuals, opaque under `jax.jit`).
+
+    **Arguments:**
+
+    - `fn`: a function of `len(args)` arrays.
+    - `args`: the arrays.
+
+    **Returns:** a bool, known when the program is traced.
+    """
+    n = len(args)
+    jaxpr = jax.make_jaxpr(lambda *a: jax.jvp(fn, a[:n], a[n:])[1])(*args, *args).jaxpr
+    return may_add_constants(jaxpr, [False] * n + [True] * n)

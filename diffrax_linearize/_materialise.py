@@ -22,9 +22,9 @@ from ._interpreter import (
     evaluate_known,
     interpret,
     iter_eqns,
+    jvp_may_add_constants,
     known,
     Lin,
-    may_add_constants,
     subjaxprs,
 )
 from ._loops import is_cell_loop, unrolled
@@ -1014,8 +1014,7 @@ def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     blocks, ctx, forward = _structured_jacobian(spec, consts, diff, rest, f_jvp)
     _check_strict(spec, ctx.densified, ctx.reasons)
     build = functools.partial(_blocks_operator, spec, diff, diff_tree, out_tree)
-    lin = jax.make_jaxpr(f_jvp)(*diff).jaxpr
-    if spec.nan_as_jacfwd and may_add_constants(lin, [True] * len(lin.invars)):
+    if spec.nan_as_jacfwd and jvp_may_add_constants(_function(spec, consts, rest), diff):
         plain = build
         build = lambda blocks: plain(_with_constant_nan_rows(spec, f_jvp, diff, blocks))
     op = _structured_operator(build, blocks, forward)

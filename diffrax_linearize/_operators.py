@@ -16,7 +16,13 @@ import lineax as lx
 import numpy as np
 from jaxtyping import Array, Inexact
 
-from ._sparsity import compressed_diagonal, flat_entries, storage_plan
+from ._sparsity import (
+    compressed_diagonal,
+    flat_entries,
+    flat_pattern,
+    gather_sum,
+    storage_plan,
+)
 
 
 class StaticArray:
@@ -612,27 +618,40 @@ def _(operator):
 # ---- from the engine's blocks -------------------------------------------------------------
 
 
-def _assemble(values, target, live, size: int, period: int):
+def _assemble(values, target, live, size: int, period: int, size_first: bool = False):
     """`out[r, t]`: the sum of row `r`'s live slots `e` with `target[e, r] == t`, for the
-    static `target` and `live` of shape `(E, rows)` and `values` of shape `(rows, E)` (zero
-    where not live); `period` divides the number of rows. Rows `r` and `r + period` share
-    their slots' targets in a regular pattern (a stencil's diagonals, with `period = 1`;
-    the rows of equal blocks, with the block size), so each `(r % period, t)` is a sum of
-    whole slot columns of `values`, a static mask only where a slot lands elsewhere in some
-    rows: elementwise work that XLA fuses into one pass. Patterns too irregular for that
-    are assembled by a scatter-add of the entries, which on CPU costs ten evaluations of a
-    stencil at a few hundred thousand entries."""
+    static `target` and `live` of shape `(E, rows)` and `values` of the same shape
+    (entry-major, as `flat_entries(..., entries_first=True)` gives them; zero where not
+    live); `period` divides the number of rows. Rows `r` and `r + period` share their
+    slots' targets in a regular pattern (a stencil's diagonals, with `period = 1`; the rows
+    of equal blocks, with the block size), so each `(r % period, t)` is a sum of whole slot
+    rows of `values`, a static mask only where a slot lands elsewhere in some rows:
+    elementwise work that XLA fuses into one pass. Patterns too irregular for that are
+    assembled by `gather_sum`.
+
+    **Arguments:**
+
+    - `values`: a traced array of shape `(E, rows)`.
+    - `target`, `live`: NumPy arrays of shape `(E, rows)`, integer and bool.
+    - `size`: the number of targets.
+    - `period`: a divisor of `rows`.
+    - `size_first`: lay `out` out as `(size, rows)` (a band's diagonals), not
+        `(rows, size)`.
+
+    **Returns:** `out`, a traced array.
+    """
     E, m = live.shape
     nb = m // period
 
-    def scatter():
-        rows = np.broadcast_to(np.arange(m), live.shape)[live]
-        slots = np.broadcast_to(np.arange(E)[:, None], live.shape)[live]
-        out = jnp.zeros((m, size), values.dtype)
-        return out.at[rows, target[live]].add(values[rows, slots])
+    def gathered():
+        e_idx, r_idx = np.nonzero(live)
+        t_idx = np.asarray(target)[e_idx, r_idx].astype(np.int64)
+        dest = t_idx * m + r_idx if size_first else r_idx * np.int64(size) + t_idx
+        out = gather_sum(jnp.reshape(values, (-1,)), e_idx * np.int64(m) + r_idx, dest, m * size)
+        return out.reshape((size, m) if size_first else (m, size))
 
     if period * size > 1024:
-        return scatter()
+        return gathered()
     tgt = np.where(live, target, -1).reshape(E, nb, period)
     lv = live.reshape(E, nb, period)
     pieces = []
@@ -643,33 +662,35 @@ def _assemble(values, target, live, size: int, period: int):
                 mask = hits[e] if (lv[e, :, i] & ~hits[e]).any() else None
                 pieces.append((i, t, e, mask))
     if len(pieces) > 4 * max(E, size) * period:
-        return scatter()
-    V = values.reshape(nb, period, E)
+        return gathered()
+    V = values.reshape(E, nb, period)
     columns = {}
     for i, t, e, mask in pieces:
-        piece = V[:, i, e] if mask is None else jnp.where(mask, V[:, i, e], 0)
+        piece = V[e, :, i] if mask is None else jnp.where(mask, V[e, :, i], 0)
         columns[i, t] = piece if (i, t) not in columns else columns[i, t] + piece
     zero = jnp.zeros((nb,), values.dtype)
+    if size_first and period == 1:
+        return jnp.stack([columns.get((0, t), zero) for t in range(size)])
     out = jnp.stack([columns.get((i, t), zero) for i in range(period) for t in range(size)], -1)
-    return out.reshape(m, size)
+    out = out.reshape(m, size)
+    return out.T if size_first else out
 
 
 def _compress_rows(values, columns, live, n: int):
     """The CSR form `(values, indices, indptr)` of the row-compressed matrix with `values`
-    of shape `(rows, E)` and static `columns`, `live` of shape `(E, rows)`: its live entries
-    in row-major order, the slots of a row that share a column summed into one."""
-    m, E = values.shape
-    src = np.flatnonzero(np.asarray(live).T)  # into `values` flattened, row by row
-    keys = (src // max(E, 1)) * np.int64(max(n, 1)) + np.asarray(columns).T.reshape(-1)[src]
-    order = np.argsort(keys, kind="stable")
+    of shape `(E, rows)` (entry-major, as `flat_entries(..., entries_first=True)` gives
+    them) and static `columns`, `live` of the same shape: its live entries in row-major
+    order, the slots of a row that share a column summed into one."""
+    E, m = columns.shape
+    e_idx, r_idx = np.nonzero(np.asarray(live))
+    src = e_idx * np.int64(m) + r_idx  # into `values` flattened, entry-major
+    keys = r_idx * np.int64(max(n, 1)) + np.asarray(columns)[e_idx, r_idx]
+    order = np.argsort(keys, kind="stable")  # ties (a repeated column) in slot order
     keys, src = keys[order], src[order]
     first = np.concatenate([[True], keys[1:] != keys[:-1]])
     unique = keys[first]
-    flat = jnp.reshape(values, (-1,))
-    out = flat[src[first]]
-    if not first.all():  # slots that repeat a column of their row, added in slot order
-        slot = np.cumsum(first) - 1
-        out = out.at[slot[~first]].add(flat[src[~first]], indices_are_sorted=True)
+    slot = np.cumsum(first) - 1
+    out = gather_sum(jnp.reshape(values, (-1,)), src, slot, len(unique))
     indptr = np.concatenate([[0], np.cumsum(np.bincount(unique // max(n, 1), minlength=m))])
     return out, unique % max(n, 1), indptr
 
@@ -678,20 +699,26 @@ def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLine
     """The lineax operator of a row-compressed block (one with an `Ell`): block-diagonal,
     tridiagonal, banded, ELLPACK or CSR, whichever `storage_plan` picks for its static
     pattern (the one that `structure_report` describes)."""
-    values, columns, live = flat_entries(block)
-    values = jnp.asarray(values, output_structure.dtype)
-    m = values.shape[0]
+    columns, live = flat_pattern(block)
+    m = columns.shape[1]
     n = math.prod(input_structure.shape)
     vector = len(input_structure.shape) == 1 and input_structure.shape == output_structure.shape
     plan = storage_plan(columns, live, n, tridiagonal=vector)
-    rows_of = np.broadcast_to(np.arange(m), columns.shape)
+    dtype = output_structure.dtype
     if plan.kind == "zero":
         return SparseLinearOperator(
-            jnp.zeros((m, 0), values.dtype),
+            jnp.zeros((m, 0), dtype),
             np.zeros((0, m), np.int32),
             input_structure,
             output_structure,
         )
+    rows_of = np.broadcast_to(np.arange(m), columns.shape)
+    if plan.kind != "ellpack":  # entry-major values, as the block holds them: no transposes
+        values, _, _ = flat_entries(block, entries_first=True)
+        values = jnp.asarray(values, dtype)
+    if plan.kind == "csr":
+        csr = _compress_rows(values, columns, live, n)
+        return CSRLinearOperator(*csr, input_structure, output_structure)
     if plan.kind == "block-diagonal":
         # Row r's slots land in block r // k, at (r % k, column % k).
         k = plan.block
@@ -700,7 +727,7 @@ def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLine
     if plan.kind in ("tridiagonal", "banded"):
         offsets = plan.offsets
         index = np.searchsorted(np.asarray(offsets), columns.astype(np.int64) - rows_of)
-        diagonals = _assemble(values, index, live, len(offsets), 1).T  # (D, n)
+        diagonals = _assemble(values, index, live, len(offsets), 1, size_first=True)
         if plan.kind == "banded":
             return BandedLinearOperator(diagonals, offsets, input_structure, output_structure)
         full = {d: diagonals[offsets.index(d)] if d in offsets else None for d in (-1, 0, 1)}
@@ -709,9 +736,8 @@ def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLine
         up = full[1] if full[1] is not None else zero
         mid = full[0] if full[0] is not None else zero
         return lx.TridiagonalLinearOperator(mid, lo[1:], up[:-1])
-    if plan.kind == "csr":
-        csr = _compress_rows(values, columns, live, n)
-        return CSRLinearOperator(*csr, input_structure, output_structure)
+    values, _, _ = flat_entries(block)
+    values = jnp.asarray(values, dtype)
     # Entries that are not part of the matrix point at the diagonal (with value zero), so
     # that the pattern a solver reads is the matrix's own.
     own = np.broadcast_to(np.minimum(np.arange(m), max(n - 1, 0)), columns.shape)

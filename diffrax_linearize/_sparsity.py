@@ -441,18 +441,21 @@ def _compact_rows(b: Struct) -> Struct:
     new_m[slot[s_idx, p_idx], p_idx] = True
     b = b.canonical()
     rest = [label for label in b.val_labels if label not in b.out_labels and label != BAND]
-    labels = list(b.out_labels) + [BAND] + rest
+    # Entry axis first, as a canonical `val` holds it: no transposes in the program.
+    labels = [BAND] + list(b.out_labels) + rest
     traced = not is_known(b.val)
     val = _band_val(b, labels, traced)
     rest_shape = val.shape[len(b.out_shape) + 1 :]
-    val = val.reshape((P, S) + rest_shape)
-    shape = (P, n_slots) + rest_shape
+    val = val.reshape((S * P,) + rest_shape)
+    dest = slot[s_idx, p_idx] * P + p_idx  # into `out` flattened, entry-major
+    src = s_idx * P + p_idx
+    shape = (n_slots * P,) + rest_shape
     if traced:
-        out = jnp.zeros(shape, val.dtype).at[p_idx, slot[s_idx, p_idx]].add(val[p_idx, s_idx])
+        out = gather_sum(val, src, dest, shape[0])
     else:
         out = np.zeros(shape, val.dtype)
-        np.add.at(out, (p_idx, slot[s_idx, p_idx]), val[p_idx, s_idx])
-    out = out.reshape(b.out_shape + (n_slots,) + rest_shape)
+        np.add.at(out, dest, val[src])
+    out = out.reshape((n_slots,) + b.out_shape + rest_shape)
     return Struct.build(
         out,
         labels,
@@ -963,20 +966,41 @@ def flat_pattern(b: Struct):
     return columns, live
 
 
-def flat_entries(b: Struct):
+def flat_entries(b: Struct, entries_first: bool = False):
     """An `Ell` block as a row-compressed matrix of its flattened out and in sides.
 
+    **Arguments:**
+
+    - `b`: an `Ell` block.
+    - `entries_first`: lay `values` out as `(E, rows)`, the layout a canonical `val` has
+        (no transpose in the program), rather than `(rows, E)`.
+
     **Returns:** `(values, columns, live)`: `values` of shape `(rows, E)` (zero where not
-    live), NumPy `columns` and `live` of shape `(E, rows)`, as `flat_pattern` gives them."""
+    live; `(E, rows)` with `entries_first`), NumPy `columns` and `live` of shape
+    `(E, rows)`, as `flat_pattern` gives them."""
     b = b.canonical()
     ell = b.ell
     rest = [l for l in range(len(b.in_shape)) if l not in ell.in_axes]
-    labels = list(b.out_labels) + [BAND] + [b.in_labels[l] for l in rest]
+    rest_labels = [b.in_labels[l] for l in rest]
+    if entries_first:
+        labels = [BAND] + list(b.out_labels) + rest_labels
+    else:
+        labels = list(b.out_labels) + [BAND] + rest_labels
     val = _band_val(b, labels)
     columns, live = flat_pattern(b)
-    val = val.reshape(columns.shape[::-1])
+    if entries_first:
+        # (S, rows, rest) to (S, rest, rows): the order of `flat_pattern`'s entries.
+        rows = math.prod(b.out_shape)
+        val = val.reshape((ell.S, rows, -1))
+        if val.shape[2] > 1:
+            val = _xp(val).swapaxes(val, 1, 2)
+        val = val.reshape(columns.shape)
+        mask = live
+    else:
+        val = val.reshape(columns.shape[::-1])
+        mask = live.T
     if not live.all():
-        val = _xp(val).where(live.T, val, np.zeros((), val.dtype))
+        val = _xp(val).where(mask, val, np.zeros((), val.dtype))
     return val, columns, live
 
 
@@ -1160,6 +1184,43 @@ def diagonal(b: Struct):
     n = math.prod(b.out_shape)
     dense = to_dense(b).reshape(n, n)
     return jnp.diagonal(dense).reshape(b.out_shape)
+
+
+def gather_sum(val, src, dest, size: int):
+    """`zeros(size).at[dest].add(val[src])` along the first axis of the traced `val`, as
+    gathers: the first source of each destination gathered into place (zero where none),
+    the further ones (duplicates, few) added by a sorted scatter. A scatter-add of every
+    entry is several times slower on a CPU.
+
+    **Arguments:**
+
+    - `val`: a traced array.
+    - `src`, `dest`: NumPy integer arrays of the same length, into the first axes of `val`
+        and of the result.
+    - `size`: the length of the result's first axis.
+
+    **Returns:** a traced array of shape `(size,) + val.shape[1:]`.
+    """
+    order = np.lexsort((np.arange(len(dest)), dest))
+    dest, src = np.asarray(dest)[order], np.asarray(src)[order]
+    first = np.ones(len(dest), bool)
+    first[1:] = dest[1:] != dest[:-1]
+    pos = np.full(size, -1, np.int64)
+    pos[dest[first]] = src[first]
+    empty = pos < 0
+    if empty.all():
+        out = jnp.zeros((size,) + val.shape[1:], val.dtype)
+    else:
+        out = jnp.take(val, np.where(empty, 0, pos).astype(np.int32), axis=0, mode="clip")
+        if empty.any():
+            shape = (size,) + (1,) * (val.ndim - 1)
+            out = jnp.where(empty.reshape(shape), np.zeros((), val.dtype), out)
+    if not first.all():
+        extra = jnp.take(val, src[~first].astype(np.int32), axis=0, mode="clip")
+        out = out.at[dest[~first].astype(np.int32)].add(
+            extra, indices_are_sorted=True, mode="promise_in_bounds"
+        )
+    return out
 
 
 def add(a: Struct, b: Struct) -> Struct:

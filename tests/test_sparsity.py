@@ -865,3 +865,20 @@ def test_unwrap_reports_its_cumsum():
     A = jnp.asarray(np.random.RandomState(0).randn(6, 6))
     report = dl.structure_report(lambda y: jnp.cumsum(A @ y), x)
     assert not report.densified and not report.reasons
+
+
+@pytest.mark.parametrize("size", [1, 7, 40])
+def test_gather_sum_as_scatter_add(size):
+    """`gather_sum` (the first source of each destination gathered, the rest added) is
+    `zeros.at[dest].add(val[src])`, with empty destinations zero and repeated ones summed,
+    over trailing axes too, eager and jitted."""
+    rng = np.random.RandomState(size)
+    val = jnp.asarray(rng.randn(30, 3))
+    src = rng.randint(0, 30, 50)
+    dest = rng.randint(0, size, 50)
+    expected = np.zeros((size, 3))
+    np.add.at(expected, dest, np.asarray(val)[src])
+    assert (np.bincount(dest, minlength=size) > 1).any()  # the test can fail: repeats
+    jitted = jax.jit(lambda v: _sparsity.gather_sum(v, src, dest, size))
+    for got in (_sparsity.gather_sum(val, src, dest, size), jitted(val)):
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
