@@ -15,9 +15,14 @@ starts), each pinned to its own cores:
   process's cores; for the small per-step operations of an SDE solve, that costs more
   than it gains, so one device with two cores is slower than with one.
 
-Speedup is against the baseline; efficiency is speedup per core used. CPU time (of all
-threads, summed over processes) per call, against the baseline's, shows the overhead
-directly, and moves less than wall-clock time when other jobs share the machine.
+The configurations are timed interleaved: round after round, each configuration is started
+afresh in its turn (A B C D A B C D ...) and times a few calls, so that a machine whose load
+drifts slows every configuration alike. A configuration's time is its fastest call over all
+rounds (load only ever adds time), with the median and slowest beside it (the spread).
+
+Speedup is against the baseline, by fastest calls; efficiency is speedup per core used. CPU
+time (of all threads, summed over processes) per call, against the baseline's, shows the
+overhead directly, and moves less than wall-clock time when other jobs share the machine.
 
 Run: `python -m benchmarks.ensemble [--quick]`, or `--gpu` for one device of the default
 backend, in this process. Writes the JSON and plot, prints the table, and (full runs)
@@ -50,6 +55,8 @@ def _sizes(quick: bool) -> tuple[int, int]:
 def _worker(quick: bool, repeats: int) -> dict:
     """Times one ensemble solve on all devices of all processes (after
     `jax.distributed.initialize`, if there are several)."""
+    import time
+
     import diffrax
     import diffrax_linearize as dl
     import jax
@@ -59,7 +66,7 @@ def _worker(quick: bool, repeats: int) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from benchmarks._common import time_compiled
+    from benchmarks._common import _cpu_time, block
 
     mesh = Mesh(np.asarray(jax.devices()), ("paths",))
     num_paths, num_steps = _sizes(quick)
@@ -94,17 +101,28 @@ def _worker(quick: bool, repeats: int) -> dict:
     make_keys = jax.jit(
         lambda: jr.split(jr.key(0), num_paths), out_shardings=NamedSharding(mesh, P("paths"))
     )
+    keys = make_keys()
+    t0 = time.perf_counter()
+    compiled = jax.jit(solve).lower(keys).compile()
+    compile_s = time.perf_counter() - t0
+    block(compiled(keys))  # warm-up
     # A fixed number of calls: with several processes, every one must make the same calls
     # (each call ends in a collective), so no process may decide on its own to stop.
-    timing = time_compiled(solve, make_keys(), repeats=repeats, min_time=0.0, max_time=1e9)
+    times, cpu_times = [], []
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), _cpu_time()
+        block(compiled(keys))
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(_cpu_time() - c0)
     return {
         "processes": jax.process_count(),
         "devices": jax.device_count(),
         "paths": num_paths,
         "steps": num_steps,
         "d": D,
-        **timing,
-        "paths_per_sec": num_paths / timing["run_s"],
+        "compile_s": compile_s,
+        "times": times,
+        "cpu_times": cpu_times,
     }
 
 
@@ -145,7 +163,30 @@ def _spawn(processes: int, devices: int, cores: int, quick: bool, repeats: int) 
     # keep step); CPU time is the sum over processes.
     row = results[0]
     assert (row["processes"], row["devices"]) == (processes, processes * devices), row
-    return {**row, "cpu_s": sum(r["cpu_s"] for r in results), "cores": needed}
+    cpu_times = [sum(c) for c in zip(*(r["cpu_times"] for r in results))]
+    return {**row, "cpu_times": cpu_times, "cores": needed}
+
+
+def _combine(rounds: list[dict]) -> dict:
+    """One configuration's row from its rounds: the fastest call over all of them, with the
+    median and slowest (the spread), the median CPU time per call, the fastest compile."""
+    import statistics
+
+    from benchmarks._common import summarise_times
+
+    times = [t for r in rounds for t in r["times"]]
+    row = {k: v for k, v in rounds[0].items() if k not in ("times", "cpu_times")}
+    row.update(
+        compile_s=min(r["compile_s"] for r in rounds),
+        **summarise_times(times),
+        cpu_s=statistics.median(c for r in rounds for c in r["cpu_times"]),
+        # Each call is timed alone; `spawns` is the number of fresh starts they came from.
+        rounds=len(times),
+        repeats=len(times),
+        spawns=len(rounds),
+    )
+    row["paths_per_sec"] = row["paths"] / row["run_min_s"]
+    return row
 
 
 def _plot(rows, name):
@@ -202,8 +243,8 @@ COLUMNS = [
     ("processes", "processes"),
     ("devices", "devices"),
     ("cores", "cores"),
-    ("run_s", "run (median)"),
-    ("paths_per_sec", "paths / s"),
+    ("run", "run: fastest (spread)"),
+    ("paths_per_sec", "paths / s (fastest)"),
     ("speedup", "speedup"),
     ("efficiency", "efficiency"),
     ("cpu_ratio", "CPU time / baseline"),
@@ -214,13 +255,26 @@ def table(rows) -> str:
     """The Markdown table of `docs/ensembles.md`: eight columns, then a line with the
     problem size (paths and steps per configuration) and a pointer to the JSON for the
     compile and CPU times."""
-    from benchmarks._common import markdown_table
+    from benchmarks._common import fmt_spread, fmt_time, markdown_table
 
     sizes = sorted({(r.get("paths"), r.get("steps")) for r in rows})
     size = "; ".join(f"{p} paths of {s} steps" for p, s in sizes)
+    if all("rounds" in r for r in rows):
+        cells = [dict(r, run=fmt_spread(r)) for r in rows]
+        how = (
+            ", timed interleaved with the others (rounds of fresh processes, A B C D A B C D"
+            " ...): its fastest call, and in brackets how far its median call lay above it"
+        )
+        columns = COLUMNS
+    else:  # a result from before the configurations were timed interleaved
+        cells = [dict(r, run=fmt_time(r["run_s"])) for r in rows]
+        how = " (the median of its calls)"
+        columns = [
+            (k, {"run": "run (median)", "paths_per_sec": "paths / s"}.get(k, h)) for k, h in COLUMNS
+        ]
     return (
-        markdown_table(rows, COLUMNS)
-        + f"\n\nEach configuration solves {size}. Compile and CPU times per configuration"
+        markdown_table(cells, columns)
+        + f"\n\nEach configuration solves {size}{how}. Compile and CPU times per configuration"
         " are in `benchmarks/results/ensemble-cpu-cpu.json`."
     )
 
@@ -245,11 +299,16 @@ def summary(rows) -> str:
 def run(quick: bool = False, gpu: bool = False) -> list[dict]:
     from benchmarks._common import write_results
 
-    repeats = 3 if quick else 7
+    # Rounds of a few calls per configuration, interleaved (A B C D A B C D ...).
+    rounds, repeats = (2, 2) if quick else (3, 3)
     if gpu:
-        rows = [{**_worker(quick, repeats), "cores": None}]
+        rows = [_combine([{**_worker(quick, rounds * repeats), "cores": None}])]
     else:
-        rows = [_spawn(p, d, c, quick, repeats) for p, d, c in CONFIGS]
+        timed = {config: [] for config in CONFIGS}
+        for _ in range(rounds):
+            for p, d, c in CONFIGS:
+                timed[(p, d, c)].append(_spawn(p, d, c, quick, repeats))
+        rows = [_combine(timed[config]) for config in CONFIGS]
     base = rows[0]["paths_per_sec"]
     for row in rows:
         row["speedup"] = row["paths_per_sec"] / base
@@ -258,7 +317,9 @@ def run(quick: bool = False, gpu: bool = False) -> list[dict]:
         row["cpu_ratio"] = row["cpu_s"] / rows[0]["cpu_s"]
     print(table(rows))
     name = "ensemble-quick" if quick else "ensemble"
-    notes = {} if gpu else {"cpu_devices": "simulated", "pinned": "each process to its cores"}
+    notes = {"timing": "interleaved rounds; fastest call, median and slowest"}
+    if not gpu:
+        notes |= {"cpu_devices": "simulated", "pinned": "each process to its cores"}
     path = write_results(name, rows, **notes)
     print(f"wrote {path}")
     if not gpu:

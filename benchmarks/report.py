@@ -19,7 +19,7 @@ import json
 import pathlib
 import re
 
-from benchmarks._common import fmt_ratio, fmt_spread, markdown_table, RESULTS
+from benchmarks._common import fmt_ratio, fmt_spread, fmt_time, markdown_table, RESULTS
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -202,17 +202,26 @@ def _adjoint(data: dict) -> list[str]:
 
 
 def _ensemble(data: dict) -> list[str]:
+    interleaved = all("run_min_s" in r and "rounds" in r for r in data["rows"])
     columns = [
         ("processes", "processes"),
         ("devices", "devices"),
         ("cores", "cores"),
-        ("run_s", "run (median)"),
+        ("run", "run: fastest (spread)" if interleaved else "run (median)"),
         ("paths_per_sec", "paths / s"),
         ("speedup", "speed-up over 1 core"),
         ("efficiency", "efficiency (speed-up / cores)"),
         ("cpu_ratio", "CPU time / 1 core's"),
     ]
-    return [markdown_table(data["rows"], columns), ""]
+    rows = [dict(r, run=_spread(r) if interleaved else fmt_time(r["run_s"])) for r in data["rows"]]
+    if not interleaved:
+        return [markdown_table(rows, columns), ""]
+    head = (
+        "Times: each configuration's fastest call over rounds of fresh processes timed "
+        "interleaved with the others', and in brackets how far its median call lay above it "
+        "(the spread); rates and speed-ups from the fastest calls."
+    )
+    return [head, "", markdown_table(rows, columns), ""]
 
 
 def _linear_crossover(data: dict) -> list[str]:
@@ -418,6 +427,8 @@ def _step_cost(data: dict) -> list[str]:
 
 
 def _stiff(data: dict) -> list[str]:
+    interleaved = all("rounds" in r for r in data["rows"] if "run_s" in r)
+    by = _by(data["rows"], "problem", "N", "method")
     summary = []
     for s in data["summary"]:
         n = s["N"]
@@ -428,20 +439,31 @@ def _stiff(data: dict) -> list[str]:
                 problem=f"{s['problem']}, {size}",
                 ratio=fmt_ratio(s.get("ours_over_default")),
                 diff=None if s.get("diff") is None else f"{s['diff']:.1e}",
+                **{
+                    key: _spread(row) if interleaved else fmt_time((row or {}).get("run_s"))
+                    for key, method in (
+                        ("ours", "ours"),
+                        ("default", "diffrax default"),
+                        ("vmap", "vmap"),
+                    )
+                    for row in [by.get((s["problem"], n, method))]
+                },
             )
         )
+    how = "" if interleaved else " (median)"
     columns = [
         ("problem", "problem"),
         ("unknowns", "unknowns"),
-        ("ours_s", "ours (median)"),
-        ("default_s", "diffrax default (median)"),
+        ("ours", f"ours{how}"),
+        ("default", f"diffrax default{how}"),
         ("ratio", "ours / diffrax default"),
-        ("vmap_s", "vmap(diffeqsolve) (median)"),
+        ("vmap", f"vmap(diffeqsolve){how}"),
         ("steps", "steps (accepted + rejected)"),
         ("diff", "max rel. difference"),
     ]
     spde = [r for r in data["rows"] if "rms_error" in r]
-    out = ["Per solve:", "", markdown_table(summary, columns), ""]
+    head = [_INTERLEAVED, ""] if interleaved else []
+    out = [*head, "Per solve:", "", markdown_table(summary, columns), ""]
     if spde:
         (stable,) = {r["stable_steps"] for r in spde}
         (problem,) = {(r["problem"], r["N"]) for r in spde}
@@ -457,7 +479,10 @@ def _stiff(data: dict) -> list[str]:
                 [
                     ("method", "method"),
                     ("steps", "steps"),
-                    ("path_s", "time per path (1 run)"),
+                    (
+                        "path_s",
+                        "time per path (fastest run)" if interleaved else "time per path (1 run)",
+                    ),
                     ("rms_error", "RMS error"),
                 ],
             ),
@@ -658,9 +683,10 @@ def _ensemble_figures() -> dict[str, str]:
     data = json.loads(paths[0].read_text())
     table = ensemble.table(rows)
     source = f"`benchmarks/results/{paths[0].name}`; {_machine_line(data['machine'])}."
-    # The one-core baseline's cost per path and step (median), for the guide's sense of scale.
+    # The one-core baseline's cost per path and step (fastest call), for the guide's sense of
+    # scale.
     (base,) = [r for r in rows if (r["processes"], r["devices"], r["cores"]) == (1, 1, 1)]
-    per_step = base["run_s"] / (base["paths"] * base["steps"])
+    per_step = _fastest(base) / (base["paths"] * base["steps"])
     return {
         "ensemble-summary": ensemble.summary(rows),
         "ensemble-table": f"\n\n{table}\n\nFrom {source}\n\n",
@@ -909,16 +935,27 @@ def readme_table() -> str:
         f"{v['equinox']}, lineax {v['lineax']}, Python {m['python']}, on this project's "
         f"{m['cpu_count']}-core {m['machine']} CI-class machine (JSON and plots in "
         "`benchmarks/results/`). Times are the fastest of rounds timed interleaved with the "
-        "reference's (spreads on the benchmarks page); "
-        + (
-            "the ensemble rates come from medians."
-            if _wp_basis(wp) == "fastest rounds"
-            else "the work-precision costs and the ensemble rates come from medians."
-        )
+        "reference's (spreads on the benchmarks page)" + _median_sources(wp)
     )
     lines = [head, "", "| what | ours | reference |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
+
+
+def _median_sources(wp: dict) -> str:
+    """The end of the README table's heading: which of its figures, recorded before their
+    benchmark timed interleaved rounds, still come from medians."""
+    paths = sorted(RESULTS.glob("ensemble-cpu-*.json"))
+    ensemble = json.loads(paths[0].read_text()) if paths else {"rows": []}
+    medians = [
+        what
+        for what, old in (
+            ("the work-precision costs", _wp_basis(wp) != "fastest rounds"),
+            ("the ensemble rates", not all("rounds" in r for r in ensemble["rows"])),
+        )
+        if old
+    ]
+    return "; " + " and ".join(medians) + " come from medians." if medians else "."
 
 
 def update_readme(text: str) -> str:

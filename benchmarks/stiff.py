@@ -1,6 +1,8 @@
 """Stiff ODEs and SDEs: Diffrax's implicit solvers with their default root finder against
 `root_finder=diffrax_linearize.VeryChord()`, and the drift-implicit Milstein method against
-explicit solvers on a stiff SPDE. Float64, jitted, one run on one machine.
+explicit solvers on a stiff SPDE. Float64, jitted. The contenders of each case are timed
+interleaved (A B C A B C ..., up to five rounds, a contender stopping after 30 s of timed
+solves): each one's fastest solve, with the median and slowest beside it (the spread).
 
 (a) N independent Robertson systems (Diffrax issue #545): `Kvaerno5` with
     `PIDController(rtol=1e-6, atol=1e-8)`, t in [0, 10], for N in {10, 100, 1000, 10000}:
@@ -39,7 +41,7 @@ matplotlib.use("Agg")
 import diffrax_linearize as dl
 import matplotlib.pyplot as plt
 
-from benchmarks._common import markdown_table, plot_path, time_compiled_output, write_results
+from benchmarks._common import markdown_table, plot_path, time_contenders_output, write_results
 from benchmarks.structure import brusselator_2d, robertson_stack
 
 
@@ -103,39 +105,29 @@ def robertson_rows(sizes, default_max):
     for N in sizes:
         y0 = _robertson_y0(N)
         base = {"problem": "robertson", "N": N, "unknowns": 3 * N}
-        sol, t = time_compiled_output(lambda y0: _solve_rob(dl.VeryChord(), y0), y0)
-        ours = sol.ys[-1]
-        rows.append({**base, "method": "ours", **t, **_stats(sol)})
+        fns = {"ours": (lambda y0: _solve_rob(dl.VeryChord(), y0), (y0,))}
         # Rosenbrock: one factorisation a step, no Newton iterations (ROS34PW2: one Jacobian
         # for up to 20 steps)
         for name in ("Rodas5P", "Rodas4P", "ROS34PW2"):
             solver = getattr(dl, name)()
-            sol, t = time_compiled_output(lambda y0: _solve_rob(None, y0, solver=solver), y0)
-            rows.append(
-                {
-                    **base,
-                    "method": f"ours {name}",
-                    **t,
-                    **_stats(sol),
-                    "max_rel_diff_vs_ours": _rel(sol.ys[-1], ours),
-                }
+            fns[f"ours {name}"] = (
+                lambda y0, solver=solver: _solve_rob(None, y0, solver=solver),
+                (y0,),
             )
-        vm, t = time_compiled_output(_solve_rob_vmap, y0)
-        rows.append({**base, "method": "vmap", **t, "max_rel_diff_vs_ours": _rel(vm, ours)})
+        fns["vmap"] = (_solve_rob_vmap, (y0,))
         if N <= default_max:
-            sol, t = time_compiled_output(
-                lambda y0: _solve_rob(None, y0), y0, repeats=1 if N > 100 else 3
-            )
-            rows.append(
-                {
-                    **base,
-                    "method": "diffrax default",
-                    **t,
-                    **_stats(sol),
-                    "max_rel_diff_vs_ours": _rel(sol.ys[-1], ours),
-                }
-            )
-        else:
+            fns["diffrax default"] = (lambda y0: _solve_rob(None, y0), (y0,))
+        outputs, timings = _time(fns)
+        ours = outputs["ours"].ys[-1]
+        for method, t in timings.items():
+            out = outputs[method]
+            row = {**base, "method": method, **t}
+            if method != "vmap":
+                row.update(_stats(out))
+            if method != "ours":
+                row["max_rel_diff_vs_ours"] = _rel(out if method == "vmap" else out.ys[-1], ours)
+            rows.append(row)
+        if N > default_max:
             rows.append(
                 {
                     **base,
@@ -145,6 +137,13 @@ def robertson_rows(sizes, default_max):
             )
         print(f"  robertson N={N}", flush=True)
     return rows
+
+
+def _time(fns):
+    """The contenders of one case timed interleaved: solves of seconds to minutes, so no
+    discarded warm-up run, and a contender stops after 30 s of timed solves (one solve
+    at least)."""
+    return time_contenders_output(fns, repeats=5, max_time=30.0, warmup=False)
 
 
 # ---- (b) 2D Brusselator -----------------------------------------------------------------------
@@ -181,23 +180,17 @@ def brusselator_rows(sizes, default_max):
     for n in sizes:
         y0 = _bruss_y0(n)
         base = {"problem": "brusselator_2d", "N": n, "unknowns": 2 * n * n}
-        sol, t = time_compiled_output(lambda y0: _solve_bruss(dl.VeryChord(), y0), y0)
-        ours = sol.ys[-1]
-        rows.append({**base, "method": "ours", **t, **_stats(sol)})
+        fns = {"ours": (lambda y0: _solve_bruss(dl.VeryChord(), y0), (y0,))}
         if n <= default_max:
-            sol, t = time_compiled_output(
-                lambda y0: _solve_bruss(None, y0), y0, repeats=1 if n >= 32 else 3
-            )
-            rows.append(
-                {
-                    **base,
-                    "method": "diffrax default",
-                    **t,
-                    **_stats(sol),
-                    "max_rel_diff_vs_ours": _rel(sol.ys[-1], ours),
-                }
-            )
-        else:
+            fns["diffrax default"] = (lambda y0: _solve_bruss(None, y0), (y0,))
+        outputs, timings = _time(fns)
+        ours = outputs["ours"].ys[-1]
+        for method, t in timings.items():
+            row = {**base, "method": method, **t, **_stats(outputs[method])}
+            if method != "ours":
+                row["max_rel_diff_vs_ours"] = _rel(outputs[method].ys[-1], ours)
+            rows.append(row)
+        if n > default_max:
             n2 = 2 * n * n
             rows.append(
                 {
@@ -247,9 +240,8 @@ def allen_cahn_rows(n, n_paths, implicit_steps, explicit_factors):
     _, stiffness = allen_cahn_terms(None, n)
     stable = math.ceil(2 * stiffness)  # explicit steps need dt < 2 / |lambda_max| ~ dx^2/(2 eps)
     ref_steps = 4 * max(stable, max(implicit_steps))
-    reference, _ = time_compiled_output(
-        path_solve(dl.ImplicitItoMilstein(theta=0.5), ref_steps), keys, repeats=1
-    )
+    reference = jax.jit(path_solve(dl.ImplicitItoMilstein(theta=0.5), ref_steps))(keys)
+    fns = {}
     for name, solver, steps_list in [
         ("ImplicitItoMilstein (ours)", dl.ImplicitItoMilstein(), implicit_steps),
         (
@@ -260,22 +252,26 @@ def allen_cahn_rows(n, n_paths, implicit_steps, explicit_factors):
         ("ItoMilstein (ours)", dl.ItoMilstein(), [int(f * stable) for f in explicit_factors]),
     ]:
         for steps in steps_list:
-            ys, t = time_compiled_output(path_solve(solver, steps), keys, repeats=1)
-            err = float(jnp.sqrt(jnp.mean((ys - reference) ** 2)))
-            rows.append(
-                {
-                    "problem": "allen_cahn",
-                    "N": n,
-                    "unknowns": n,
-                    "method": name,
-                    "steps": steps,
-                    **t,
-                    "run_s_per_path": t["run_s"] / n_paths,
-                    "rms_error": err if np.isfinite(err) else None,
-                    "stable_steps": stable,
-                }
-            )
-        print(f"  allen-cahn {name}", flush=True)
+            fns[(name, steps)] = (path_solve(solver, steps), (keys,))
+    # Every method at every step count timed interleaved; the slow explicit solves (tens of
+    # seconds) once or twice.
+    outputs, timings = time_contenders_output(fns, repeats=3, max_time=30.0, warmup=False)
+    for (name, steps), t in timings.items():
+        err = float(jnp.sqrt(jnp.mean((outputs[(name, steps)] - reference) ** 2)))
+        rows.append(
+            {
+                "problem": "allen_cahn",
+                "N": n,
+                "unknowns": n,
+                "method": name,
+                "steps": steps,
+                **t,
+                "run_s_per_path": t["run_min_s"] / n_paths,
+                "rms_error": err if np.isfinite(err) else None,
+                "stable_steps": stable,
+            }
+        )
+    print("  allen-cahn", flush=True)
     return rows
 
 
@@ -314,6 +310,12 @@ def derive(data: dict) -> dict:
     return dict(data, summary=_summary(data["rows"]))
 
 
+def _fastest(row):
+    """A row's fastest run (`run_min_s`) where its contenders were timed interleaved
+    (`rounds`), or its `run_s` (the median) in a result from before."""
+    return row.get("run_min_s" if "rounds" in row else "run_s")
+
+
 def _summary(rows):
     out = []
     for problem in ("robertson", "brusselator_2d"):
@@ -325,11 +327,11 @@ def _summary(rows):
                     "problem": problem,
                     "N": N,
                     "unknowns": ours["unknowns"],
-                    "ours_s": ours["run_s"],
-                    "default_s": default.get("run_s"),
-                    "vmap_s": vm.get("run_s"),
+                    "ours_s": _fastest(ours),
+                    "default_s": _fastest(default),
+                    "vmap_s": _fastest(vm),
                     "ours_over_default": (
-                        ours["run_s"] / default["run_s"] if default.get("run_s") else None
+                        _fastest(ours) / _fastest(default) if _fastest(default) else None
                     ),
                     "steps": f"{ours['accepted_steps']} + {ours['rejected_steps']}",
                     "diff": default.get("max_rel_diff_vs_ours"),
@@ -361,14 +363,14 @@ def plot(rows, out=None):
             ("vmap", "^:"),
         ]:
             pts = [
-                (r["unknowns"], r["run_s"])
+                (r["unknowns"], _fastest(r))
                 for r in rows
-                if r["problem"] == problem and r["method"] == method and r.get("run_s")
+                if r["problem"] == problem and r["method"] == method and _fastest(r)
             ]
             if pts:
                 ax.loglog(*zip(*sorted(pts)), style, label=labels[method])
         ax.set_xlabel("unknowns")
-        ax.set_ylabel("time per solve (s)")
+        ax.set_ylabel("time per solve (s, fastest run)")
         ax.set_title(title)
         ax.legend()
     ax = axes[2]
