@@ -14,6 +14,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from jaxtyping import Array
 
 from ._operators import (
     _row_ids,
@@ -121,7 +122,12 @@ class _BlockTridiagonalLU(_State):
 
 
 class _Krylov(_State):
-    preconditioner: lx.AbstractLinearOperator
+    # Jacobi by default, held as the inverse diagonal (an array), not as a
+    # `lineax.FunctionLinearOperator`: a W-method carries this state from step to step
+    # through `lax.cond`/`while_loop`, whose carry holds arrays only (a function's
+    # closure-converted jaxpr is not one).
+    inverse_diagonal: Array | None
+    preconditioner: lx.AbstractLinearOperator | None
     gmres: lx.GMRES = eqx.field(static=True)
 
     def solve(self, vector, options):
@@ -134,7 +140,11 @@ class _Krylov(_State):
                 lambda v: jnp.reshape(self.operator.mv(v), structure.shape), structure
             )
         vector = jnp.reshape(vector, structure.shape)
-        opts = {"preconditioner": self.preconditioner, **options}
+        preconditioner = self.preconditioner
+        if preconditioner is None:
+            inv_d = self.inverse_diagonal
+            preconditioner = lx.FunctionLinearOperator(lambda v: v * inv_d, structure)
+        opts = {"preconditioner": preconditioner, **options}
         # GMRES's scale is per entry, `atol + rtol |b_i|`: where `b_i` is zero it is `atol`
         # alone, but the residual cannot fall below the rounding of the other entries,
         # about `resolution |b|` (float32 stagnates at an `atol` of 1e-10).
@@ -408,16 +418,16 @@ def _factor_sparse(operator, rows, cols, values, diagonal, solver, options):
     structure = operator.in_structure()
     d = diagonal
     inv_d = jnp.reshape(jnp.where(d == 0, 1, 1 / jnp.where(d == 0, 1, d)), structure.shape)
-    preconditioner = lx.FunctionLinearOperator(lambda v: v * inv_d, structure)
-    if "preconditioner" in options:
-        preconditioner = options["preconditioner"]
+    preconditioner = options.get("preconditioner")
     gmres = lx.GMRES(
         rtol=max(solver.rtol, resolution(values.dtype)),
         atol=solver.atol,
         restart=solver.restart,
         max_steps=solver.max_steps,
     )
-    return _Krylov(operator, preconditioner, gmres)
+    if preconditioner is not None:
+        inv_d = None
+    return _Krylov(operator, inv_d, preconditioner, gmres)
 
 
 @_factor.register(SparseLinearOperator)

@@ -231,3 +231,35 @@ def test_sde_error():
 def test_bad_fields(kwargs):
     with pytest.raises(ValueError, match="diffrax_linearize.ROS34PW2"):
         dl.ROS34PW2(**kwargs)
+
+
+def test_gmres_path_carried_across_steps():
+    # A periodic 2D grid of 2 x 16 x 16 unknowns: its reordered band is too wide to factor
+    # (`StructuredLinearSolver` takes GMRES), and the W-method carries GMRES's state from
+    # step to step. Its Jacobi preconditioner was a `lineax.FunctionLinearOperator`, whose
+    # jaxpr cannot pass through the solve's `lax.cond` (a TypeError at trace time).
+    n = 16
+
+    def brusselator(t, y, args):
+        u, v = y.reshape(2, n, n)
+
+        def lap(w):
+            rolled = sum(jnp.roll(w, s, axis) for s in (1, -1) for axis in (0, 1))
+            return 0.02 * (n - 1) ** 2 * (rolled - 4 * w)
+
+        du = 1 + u * u * v - 4.4 * u + lap(u)
+        dv = 3.4 * u - u * u * v + lap(v)
+        return jnp.concatenate([du.ravel(), dv.ravel()])
+
+    x = jnp.linspace(0, 1, n)
+    X, Y = jnp.meshgrid(x, x)
+    y0 = jnp.concatenate([(22 * (Y * (1 - Y)) ** 1.5).ravel(), (27 * (X * (1 - X)) ** 1.5).ravel()])
+    op = dl.materialise_operator(lambda y: brusselator(0.0, y, None), y0)
+    state = dl.StructuredLinearSolver().init(op, {})
+    assert type(state).__name__ == "_Krylov"  # the path this test is for
+    gmres = _adaptive(dl.ROS34PW2(), brusselator, y0, 0.05, 1e-6, 1e-8)
+    dense = _adaptive(dl.ROS34PW2(linear_solver=lx.LU()), brusselator, y0, 0.05, 1e-6, 1e-8)
+    assert gmres.result == diffrax.RESULTS.successful
+    # GMRES stops at 1e-10: the same steps, the same solution up to that.
+    assert int(gmres.stats["num_steps"]) == int(dense.stats["num_steps"])
+    np.testing.assert_allclose(gmres.ys[-1], dense.ys[-1], rtol=1e-7, atol=1e-9)
