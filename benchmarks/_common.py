@@ -271,50 +271,85 @@ def time_contenders_output(
 ) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
     """As [`time_contenders`][], also returning each contender's output of its first
     timed call."""
-    compiled, out = {}, {}
+    compiled, compile_s = {}, {}
     for name, (fn, args) in fns.items():
         t0 = time.perf_counter()
         compiled[name] = jax.jit(fn).lower(*args).compile()
-        out[name] = {"compile_s": time.perf_counter() - t0}
-    calls = dict.fromkeys(fns, 1)
+        compile_s[name] = time.perf_counter() - t0
+    calls = {
+        name: (lambda c=compiled[name], args=args: c(*args)) for name, (_, args) in fns.items()
+    }
+    outputs, out = time_round_robin(
+        calls,
+        repeats=repeats,
+        min_time=min_time,
+        max_time=max_time,
+        warmup=warmup,
+        batch_time=batch_time,
+    )
+    return outputs, {name: {"compile_s": compile_s[name], **out[name]} for name in fns}
+
+
+def time_round_robin(
+    calls: dict[str, Callable[[], Any]],
+    *,
+    repeats: int = 7,
+    min_time: float = 0.0,
+    max_time: float = 30.0,
+    warmup: bool = True,
+    batch_time: float = 0.01,
+) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """Time ready-to-run contenders interleaved, round-robin, as [`time_contenders`][]
+    does after compiling: for contenders that are not JAX functions (another library's
+    solver, set up beforehand), or already compiled.
+
+    **Arguments:** `calls` maps a name to a function of no arguments, blocked on (its
+    result passed through `jax.block_until_ready`); the options as [`time_contenders`][].
+
+    **Returns:** each contender's output of its first timed call, and per name
+    `{"run_min_s", "run_s", "run_max_s", "cpu_s", "rounds", "repeats"}`.
+    """
+    batch = dict.fromkeys(calls, 1)
     if warmup:
-        for name, (_, args) in fns.items():
+        for name, call in calls.items():
             t0 = time.perf_counter()
-            block(compiled[name](*args))
-            calls[name] = _calls(time.perf_counter() - t0, batch_time)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    cpu: dict[str, list[float]] = {name: [] for name in fns}
-    spent = dict.fromkeys(fns, 0.0)
-    counted = dict.fromkeys(fns, 0)
+            block(call())
+            batch[name] = _calls(time.perf_counter() - t0, batch_time)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
+    spent = dict.fromkeys(calls, 0.0)
+    counted = dict.fromkeys(calls, 0)
     outputs: dict[str, Any] = {}
 
     def done(name):
         return spent[name] >= max_time or (len(times[name]) >= repeats and spent[name] >= min_time)
 
-    while not all(done(name) for name in fns):
-        for name, (_, args) in fns.items():
+    while not all(done(name) for name in calls):
+        for name, call in calls.items():
             if spent[name] >= max_time:
                 continue
             t0, c0 = time.perf_counter(), _cpu_time()
-            for _ in range(calls[name]):
-                result = compiled[name](*args)
+            for _ in range(batch[name]):
+                result = call()
             block(result)
             elapsed = time.perf_counter() - t0
-            times[name].append(elapsed / calls[name])
-            cpu[name].append((_cpu_time() - c0) / calls[name])
+            times[name].append(elapsed / batch[name])
+            cpu[name].append((_cpu_time() - c0) / batch[name])
             spent[name] += elapsed
-            counted[name] += calls[name]
+            counted[name] += batch[name]
             if name not in outputs:
                 outputs[name] = result
                 if not warmup:
-                    calls[name] = _calls(elapsed, batch_time)
-    for name in fns:
-        out[name].update(
+                    batch[name] = _calls(elapsed, batch_time)
+    out = {
+        name: dict(
             summarise_times(times[name]),
             cpu_s=statistics.median(cpu[name]),
             rounds=len(times[name]),
             repeats=counted[name],
         )
+        for name in calls
+    }
     return outputs, out
 
 

@@ -28,8 +28,11 @@ peers: SUNDIALS CVODE (scikit-sundae), diffsol (pydiffsol, BDF and ESDIRK34) and
 N in {1, 100} and the 16 x 16 Brusselator at rtol 1e-6; it writes `stiff_peers_quick-*` in
 `benchmarks/results/quick/` (or `$DIFFRAX_LINEARIZE_RESULTS`), the full sweep `stiff_peers-*`.
 CVODE's GMRES (no preconditioner) runs on the Brusselator only. A contender slower than
-`slow_s` at one tolerance is skipped at the tighter ones, with a row saying so. Times in the
-table are each contender's fastest run; ratios are ours / this contender's, same case.
+`slow_s` at one tolerance is skipped at the tighter ones, with a row saying so. The
+contenders of one case and tolerance are timed interleaved (A B C A B C ..., up to three
+rounds, a contender stopping after 20 s of timed solves): times in the table are each
+contender's fastest run, with how far its median lay above it; ratios are ours / this
+contender's, by fastest runs, same case.
 
     python -m benchmarks stiff-peers [--quick]
 """
@@ -53,10 +56,11 @@ import matplotlib.pyplot as plt
 
 from benchmarks._common import (
     fmt_ratio,
+    fmt_spread,
     fmt_time,
     markdown_table,
     plot_path,
-    time_compiled_output,
+    time_round_robin,
     write_results,
 )
 
@@ -394,7 +398,9 @@ def controller_for(solver, rtol, atol):
     return diffrax.PIDController(rtol=rtol, atol=atol)
 
 
-def _jax_solve(make_solver, rhs_jnp, y0, t1, rtol, atol):
+def _jax_contender(make_solver, rhs_jnp, y0, t1, rtol, atol):
+    """`(call, finish, info)`: the compiled solve, a function of its output giving `(y_end,
+    info)`, and the compile time."""
     solver = make_solver()
 
     def fn(y0):
@@ -410,31 +416,20 @@ def _jax_solve(make_solver, rhs_jnp, y0, t1, rtol, atol):
             sol.result._value,
         )  # noqa: E501
 
-    (y, acc, rej, res), t = time_compiled_output(
-        fn, jnp.asarray(y0, jnp.float64), repeats=3, max_time=20.0
-    )  # noqa: E501
-    return np.asarray(y), {
-        **t,
-        "accepted_steps": int(acc),
-        "rejected_steps": int(rej),
-        "ok": int(res) == 0,
-    }  # noqa: E501
+    y0 = jnp.asarray(y0, jnp.float64)
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(y0).compile()
+    compile_s = time.perf_counter() - t0
 
+    def finish(out):
+        y, acc, rej, res = out
+        return np.asarray(y), {
+            "accepted_steps": int(acc),
+            "rejected_steps": int(rej),
+            "ok": int(res) == 0,
+        }
 
-def _time_py(fn, max_time=10.0):
-    times, out = [], None
-    start = time.perf_counter()
-    while True:
-        t0 = time.perf_counter()
-        r = fn()
-        times.append(time.perf_counter() - t0)
-        out = out if out is not None else r
-        if len(times) >= 3 or time.perf_counter() - start > max_time:
-            return out, {
-                "run_s": float(np.median(times)),
-                "run_min_s": min(times),
-                "repeats": len(times),
-            }  # noqa: E501
+    return (lambda: compiled(y0)), finish, {"compile_s": compile_s}
 
 
 def _diffsl(rhs, y0, large=None):
@@ -466,8 +461,9 @@ def _diffsl(rhs, y0, large=None):
     ).replace("F_i { ", "r_i { ") + "Lu_i { L_ij * u_j }\nF_i { Lu_i + r_i }\n"
 
 
-def _peer(method, rhs_np, y0, t1, rtol, atol, sparsity=None, band=None, large=None):
-    """`(y_end, info)` or `(None, {"note": ...})`."""
+def _peer_contender(method, rhs_np, y0, t1, rtol, atol, sparsity=None, band=None, large=None):
+    """`(call, finish, info)` as `_jax_contender` (info: the set-up time where there is one),
+    or `(None, None, {"note": ...})`."""
     y0 = np.asarray(y0, float)
     if method.startswith("scipy"):
         kw = {"jac_sparsity": sparsity} if sparsity is not None else {}
@@ -478,13 +474,15 @@ def _peer(method, rhs_np, y0, t1, rtol, atol, sparsity=None, band=None, large=No
                 lambda t, y: rhs_np(y), (0.0, t1), y0, method=meth, rtol=rtol, atol=atol, **kw
             )  # noqa: E501
 
-        sol, t = _time_py(fn)
-        return sol.y[:, -1], {**t, "accepted_steps": len(sol.t) - 1, "ok": bool(sol.success)}
+        def finish(sol):
+            return sol.y[:, -1], {"accepted_steps": len(sol.t) - 1, "ok": bool(sol.success)}
+
+        return fn, finish, {}
     if method.startswith("CVODE"):
         try:
             from sksundae.cvode import CVODE
         except ImportError:
-            return None, {"note": "not installed (scikit-sundae)"}
+            return None, None, {"note": "not installed (scikit-sundae)"}
 
         def f(t, y, yp):
             yp[:] = rhs_np(y)
@@ -492,46 +490,46 @@ def _peer(method, rhs_np, y0, t1, rtol, atol, sparsity=None, band=None, large=No
         opts = dict(rtol=rtol, atol=atol, max_num_steps=1_000_000)
         if method == "CVODE GMRES":
             if large is None or large[0] != "brusselator":
-                return None, {"note": "not run (unpreconditioned GMRES: Brusselator only)"}
+                return None, None, {"note": "not run (unpreconditioned GMRES: Brusselator only)"}
             opts.update(linsolver="gmres")
         elif band is not None:
             opts.update(linsolver="band", lband=band, uband=band)
         elif sparsity is not None:
             opts.update(linsolver="sparse", sparsity=sparsity)
         solver = CVODE(f, **opts)
-        sol, t = _time_py(lambda: solver.solve(np.array([0.0, t1]), y0))
-        return sol.y[-1], {
-            **t,
-            "accepted_steps": len(sol.t) - 1,
-            "linsolver": opts.get("linsolver", "dense"),
-            "ok": bool(sol.success),
-        }  # noqa: E501
+
+        def finish(sol):
+            return sol.y[-1], {
+                "accepted_steps": len(sol.t) - 1,
+                "linsolver": opts.get("linsolver", "dense"),
+                "ok": bool(sol.success),
+            }
+
+        return (lambda: solver.solve(np.array([0.0, t1]), y0)), finish, {}
     if method.startswith("diffsol"):
         try:
             import pydiffsol as ds
         except ImportError:
-            return None, {"note": "not installed (pydiffsol)"}
+            return None, None, {"note": "not installed (pydiffsol)"}
         t0 = time.perf_counter()
         mt = ds.nalgebra_dense if len(y0) < 20 else ds.faer_sparse
-        ode = ds.Ode(
-            _diffsl(rhs_np.__dict__.get("sym", None), y0, large)
-            if False
-            else _diffsl(*_sym_args(rhs_np, y0, large)),
-            matrix_type=mt,
-        )  # noqa: E501
+        ode = ds.Ode(_diffsl(*_sym_args(rhs_np, y0, large)), matrix_type=mt)
         compile_s = time.perf_counter() - t0
         ode.ode_solver = ds.bdf if method.endswith("BDF") else ds.esdirk34
         ode.rtol, ode.atol = rtol, atol
-        sol, t = _time_py(lambda: ode.solve(np.array([]), t1))
-        y = sol.ys[:, -1]
-        if large is not None and large[0] == "robertson":
-            y = y.reshape(3, -1).T.reshape(-1)  # to the interleaved layout
-        return y, {**t, "compile_s": compile_s, "accepted_steps": len(sol.ts) - 1, "ok": True}
+
+        def finish(sol):
+            y = sol.ys[:, -1]
+            if large is not None and large[0] == "robertson":
+                y = y.reshape(3, -1).T.reshape(-1)  # to the interleaved layout
+            return y, {"accepted_steps": len(sol.ts) - 1, "ok": True}
+
+        return (lambda: ode.solve(np.array([]), t1)), finish, {"compile_s": compile_s}
     if method == "casadi cvodes":
         try:
             import casadi as ca
         except ImportError:
-            return None, {"note": "not installed (casadi)"}
+            return None, None, {"note": "not installed (casadi)"}
         t0 = time.perf_counter()
         x = ca.SX.sym("x", len(y0))
         if large is None:
@@ -559,14 +557,16 @@ def _peer(method, rhs_np, y0, t1, rtol, atol, sparsity=None, band=None, large=No
             {"abstol": atol, "reltol": rtol, "max_num_steps": 1_000_000},
         )  # noqa: E501
         compile_s = time.perf_counter() - t0
-        out, t = _time_py(lambda: F(x0=y0))
-        st = F.stats()
-        return np.asarray(out["xf"]).ravel(), {
-            **t,
-            "compile_s": compile_s,
-            "accepted_steps": int(st["nsteps"]),
-            "ok": bool(st.get("success", True)),
-        }  # noqa: E501
+
+        def finish(out):
+            # `F.stats()` describes the last call; every call takes the same steps.
+            st = F.stats()
+            return np.asarray(out["xf"]).ravel(), {
+                "accepted_steps": int(st["nsteps"]),
+                "ok": bool(st.get("success", True)),
+            }
+
+        return (lambda: F(x0=y0)), finish, {"compile_s": compile_s}
     raise ValueError(method)
 
 
@@ -589,40 +589,85 @@ def _run_case(
     problem, size, rhs_jnp, rhs_np, y0, t1, ref, rtols, ratio, methods, slow_s, skip=None, **kw
 ):
     """Every contender in `methods` at every rtol: a row with its time and digits, or a row
-    with a note (not installed, failed, skipped); `skip` maps contenders not run to the reason."""
+    with a note (not installed, failed, skipped); `skip` maps contenders not run to the reason.
+    The contenders of one rtol are timed interleaved (`time_round_robin`: up to three rounds,
+    a contender stopping after 20 s of timed solves)."""
     rows, too_slow, skip = [], set(), skip or {}
     for rtol in rtols:
         atol = rtol * ratio
+        ready, info, notes = {}, {}, {}
         for method in methods:
-            base = {"problem": problem, "size": size, "rtol": rtol, "atol": atol, "method": method}
             if method in skip:
-                rows.append({**base, "note": f"skipped: {skip[method]}"})
+                notes[method] = f"skipped: {skip[method]}"
                 continue
             if method in too_slow:
-                rows.append({**base, "note": f"skipped: slower than {slow_s} s at a looser rtol"})
+                notes[method] = f"skipped: slower than {slow_s} s at a looser rtol"
                 continue
             try:
                 if method in JAX_METHODS:
                     make = _ours(method)
                     if make is None:
-                        rows.append({**base, "note": "not in this diffrax_linearize"})
+                        notes[method] = "not in this diffrax_linearize"
                         continue
-                    y, info = _jax_solve(make, rhs_jnp, y0, t1, rtol, atol)
+                    contender = _jax_contender(make, rhs_jnp, y0, t1, rtol, atol)
                 else:
-                    y, info = _peer(method, rhs_np, y0, t1, rtol, atol, **kw)
+                    contender = _peer_contender(method, rhs_np, y0, t1, rtol, atol, **kw)
             except Exception as e:  # a peer failing is a result, not a crash of the benchmark
-                y, info = None, {"note": f"failed: {type(e).__name__}: {str(e)[:200]}"}
-            if y is not None:
-                info["mescd"] = mescd(y, ref, rtol, atol)
-                if info.get("run_s", 0) > slow_s:
-                    too_slow.add(method)
-            rows.append({**base, **info})
+                notes[method] = _failed(e)
+                continue
+            call, finish, info[method] = contender
+            if call is None:
+                notes[method] = info[method]["note"]
+            else:
+                ready[method] = (call, finish)
+        outputs, timings = _round_robin(ready, notes)
+        for method in methods:
+            base = {"problem": problem, "size": size, "rtol": rtol, "atol": atol, "method": method}
+            if method in notes:
+                rows.append({**base, "note": notes[method]})
+                continue
+            try:
+                y, result = ready[method][1](outputs[method])
+            except Exception as e:
+                rows.append({**base, "note": _failed(e)})
+                continue
+            row = {**base, **info[method], **timings[method], **result}
+            row["mescd"] = mescd(y, ref, rtol, atol)
+            if row["run_min_s"] > slow_s:
+                too_slow.add(method)
+            rows.append(row)
             print(
                 f"  {problem} {size} rtol={rtol:g} {method}: "
-                f"{info.get('run_s')} s, scd {info.get('mescd')}",
+                f"{row['run_min_s']:.4g} s, scd {row['mescd']:.3g}",
                 flush=True,
-            )  # noqa: E501
+            )
     return rows
+
+
+def _failed(e: Exception) -> str:
+    return f"failed: {type(e).__name__}: {str(e)[:200]}"
+
+
+def _round_robin(ready, notes):
+    """`time_round_robin` over the contenders set up. Where a solve raises, each contender
+    is run once alone: those that raise become notes (a peer failing is a result), and the
+    others are timed again without them."""
+    calls = {method: call for method, (call, _) in ready.items()}
+    try:
+        return time_round_robin(calls, repeats=3, max_time=20.0, warmup=False)
+    except Exception:
+        failed = []
+        for method, call in calls.items():
+            try:
+                call()
+            except Exception as e:
+                notes[method] = _failed(e)
+                failed.append(method)
+        if not failed:
+            raise
+        for method in failed:
+            del ready[method]
+        return _round_robin(ready, notes)
 
 
 def _rober_ref():
@@ -687,8 +732,8 @@ def run(quick: bool = False) -> list[dict]:
     table = markdown_table(summary, SUMMARY_COLUMNS)
     extra = {
         "quick": quick,
-        "note": "quick mode, busy shared machine: rough" if quick else "busy shared machine: rough",
-        "machine_note": "busy shared 2-core machine, rough timings (compare within this run)",
+        # The state of the machine, from $DIFFRAX_LINEARIZE_MACHINE_NOTE (`write_results`).
+        "note": "quick mode: HIRES, ROBER, two tolerances, small sizes" if quick else "full sweep",
         "peer_versions": _peer_versions(),
         "reference_check_mescd": check,
         "per_step": _per_step(rows),
@@ -717,14 +762,15 @@ def _per_step(rows):
     """Time per step at Robertson N = 1, rtol 1e-6: the fixed cost of each loop."""
     out = {}
     for r in rows:
-        if r["problem"] == "robertson" and r["size"] == 1 and r["rtol"] == 1e-6 and r.get("run_s"):
+        fastest = r.get("run_min_s")
+        if r["problem"] == "robertson" and r["size"] == 1 and r["rtol"] == 1e-6 and fastest:
             steps = r.get("accepted_steps", 0) + r.get("rejected_steps", 0)
             if steps:
                 out[r["method"]] = {
-                    "run_s": r["run_s"],
+                    "run_min_s": fastest,
                     "steps": steps,
-                    "s_per_step": r["run_s"] / steps,
-                }  # noqa: E501
+                    "s_per_step": fastest / steps,
+                }
     return out
 
 
@@ -749,7 +795,8 @@ def _summary(rows):
         s = {
             "case": f"{r['problem']} {r['size']}, rtol {r['rtol']:g}",
             "method": r["method"],
-            "time": fmt_time(t) if t is not None else "—",
+            # With its spread where the contenders were timed interleaved (`rounds`).
+            "time": fmt_spread(r) if "rounds" in r else fmt_time(t),
             "scd": f"{r['mescd']:.1f}" if r.get("mescd") is not None else "—",
             "note": r.get("note") or ("" if r.get("ok", True) else "solver reported failure"),
         }
