@@ -261,16 +261,10 @@ def time_contenders(
 
 
 def time_contenders_output(
-    fns: dict[str, tuple[Callable, tuple]],
-    *,
-    repeats: int = 7,
-    min_time: float = 0.0,
-    max_time: float = 30.0,
-    warmup: bool = True,
-    batch_time: float = 0.01,
+    fns: dict[str, tuple[Callable, tuple]], **options
 ) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
-    """As [`time_contenders`][], also returning each contender's output of its first
-    timed call."""
+    """As [`time_contenders`][] (with its keyword options), also returning each
+    contender's output of its first timed call."""
     compiled, compile_s = {}, {}
     for name, (fn, args) in fns.items():
         t0 = time.perf_counter()
@@ -279,14 +273,7 @@ def time_contenders_output(
     calls = {
         name: (lambda c=compiled[name], args=args: c(*args)) for name, (_, args) in fns.items()
     }
-    outputs, out = time_round_robin(
-        calls,
-        repeats=repeats,
-        min_time=min_time,
-        max_time=max_time,
-        warmup=warmup,
-        batch_time=batch_time,
-    )
+    outputs, out = time_round_robin(calls, **options)
     return outputs, {name: {"compile_s": compile_s[name], **out[name]} for name in fns}
 
 
