@@ -16,8 +16,10 @@ import jax.tree_util as jtu
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
+from ._compat import used_inputs
 from ._custom_types import MaterialiseMode
 from ._diagonal import jacobian_diagonal
+from ._interpreter import may_add_constants
 from ._materialise import (
     _materialise,
     materialise,
@@ -26,7 +28,7 @@ from ._materialise import (
     structured_blocks,
 )
 from ._sparsity import ell_to_plain
-from ._structure import contract, place
+from ._structure import contract, fresh_label, place
 
 
 NoiseStructure = Literal["additive", "scalar", "diagonal", "general"]
@@ -376,11 +378,20 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
     it stores no more (for $g_{ij} = y_i G_{ij}$ a delta times $G$) each term is
     contracted on its own: an outer product as two vectors, so that nothing computed per
     entry of `u` or `v` (a Brownian increment's `erf_inv`) lands in a loop over the
-    entries of $W$, where XLA would fuse and repeat it."""
+    entries of $W$, where XLA would fuse and repeat it.
+
+    Where moreover the diffusion is linear in the state, $g = D y$ with one state and one
+    control array (for $g_{ij} = y_i G_{ij}$), a matrix term $g$ is contracted as
+    $(D \\cdot D) \\cdot y$: the two copies of the derivative first, then `y`. For a delta
+    times $G$ that is a sum of squares of $G$ over the noise channels, one reduction that
+    reads $G$ alone and depends on nothing else (hoisted out of a solve's loop by XLA),
+    where the contraction with $g$ reads $G$ and writes $G \\odot g$ for a
+    matrix-vector product with ones."""
     matrix = jtu.tree_leaves(materialise(term, t, y, args))
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     y_leaves, y_tree = jtu.tree_flatten(y)
     n_c = len(jtu.tree_leaves(control_zeros(term, t)))
+    linear = len(y_leaves) == 1 and n_c == 1 and _linear_in_state(term, t, y, args)
     out = []
     for q, yq in enumerate(y_leaves):
         total = jnp.zeros(jnp.shape(yq), jnp.result_type(yq))
@@ -412,6 +423,8 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
                             if isinstance(w, tuple):
                                 u, v = (c * w[0]).astype(dtype), jnp.asarray(w[1], dtype)
                                 pieces.append([(u, in_labels), (v, c_labels)])
+                            elif linear and w is g_rp:
+                                total = total + (c * _linear_trace(d, yq, nq)).astype(total.dtype)
                             else:
                                 w_rp = (c * w).astype(dtype)
                                 pieces.append([(w_rp, in_labels + c_labels)])
@@ -421,6 +434,60 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
                     total = total + jnp.broadcast_to(val, jnp.shape(yq)).astype(total.dtype)
         out.append(total)
     return jtu.tree_unflatten(y_tree, out)
+
+
+def _linear_in_state(term, t, y, args) -> bool:
+    """Whether the term's matrix is, as far as its program shows, linear in the state: its
+    derivative does not depend on `y` and it holds no constant term."""
+    y_leaves, y_tree = jtu.tree_flatten(y)
+
+    def derivative_values(*leaves):
+        blocks, _, _ = structured_blocks(
+            _dense_matrix_flat(term, t, args), jtu.tree_unflatten(y_tree, leaves)
+        )
+        return [ell_to_plain(b).val for row in blocks for b in row if b is not None]
+
+    closed = jax.make_jaxpr(derivative_values)(*y_leaves)
+    if any(used_inputs(closed.jaxpr, [True] * len(closed.jaxpr.outvars))):
+        return False
+    closed = jax.make_jaxpr(
+        lambda *leaves: _dense_matrix_flat(term, t, args)(jtu.tree_unflatten(y_tree, leaves))
+    )(*y_leaves)
+    return not may_add_constants(closed.jaxpr, [True] * len(closed.jaxpr.invars))
+
+
+def _linear_trace(d, y, nq: int):
+    """$\\sum_{j, k} D_{i j k}\\, g_{k j}$ for a diffusion linear in the one state array
+    `y`, $g_{k j} = \\sum_l D_{k j l}\\, y_l$, with `d` the (plain) block of $D$: the two
+    copies of $D$ contracted first, then `y`."""
+    y_labels = tuple(d.out_labels[:nq])
+    c_labels = tuple(d.out_labels[nq:])
+    in_labels = tuple(d.in_labels)
+    # The second copy's row axes are the first copy's state axes (its `in_labels`), its
+    # control axes the same; every other label is a new one.
+    rename = dict(zip(y_labels, in_labels))
+    rename.update((c, c) for c in c_labels)
+    sizes = dict(d.sizes)
+    for label in (*d.val_labels, *in_labels):
+        if label not in rename:
+            rename[label] = fresh_label()
+            sizes[rename[label]] = d.sizes[label]
+    first = (d.val, tuple(d.val_labels))
+    second = (d.val, tuple(rename[label] for label in d.val_labels))
+    state = tuple(rename[label] for label in in_labels)
+    keep = y_labels + tuple(label for label in state if label not in y_labels)
+    if set(first[1]) == set(second[1]):
+        # The product, then a sum: one reduction over the noise channels (a sum of squares
+        # for a delta times G), which XLA runs without writing the product.
+        every = first[1]
+        val, labels = contract(
+            [(first[0] * place(second[0], second[1], every), every)], keep, sizes
+        )
+    else:
+        val, labels = contract([first, second], keep, sizes)
+    val, labels = contract([(jnp.asarray(val), labels), (y, state)], y_labels, sizes)
+    val = place(jnp.asarray(val), labels, y_labels)
+    return jnp.broadcast_to(val, jnp.shape(y))
 
 
 def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):

@@ -79,6 +79,18 @@ def _vf_row_scaled(t, y, args):
     return (0.5 * jnp.sin(y) + 0.3 * y)[:, None] * _B_GENERAL[:, :, 0]
 
 
+def _vf_row_scaled_linear(t, y, args):
+    # g_ij = y_i G_ij: linear in y, so the Itô correction's trace term is contracted as
+    # (D . D) . y, a sum of squares of G over the noise channels times y.
+    return y[:, None] * _B_GENERAL[:, :, 0]
+
+
+def _vf_column_scaled_linear(t, y, args):
+    # g_ij = G_ij y_j: linear in y, with the derivative's state axis tied to the control
+    # axis rather than to the row (the general contraction of the linear path).
+    return _B_GENERAL[:, :, 1] * y[None, :]
+
+
 DIFFUSIONS = {
     "diagonal_lineax": (_vf_diagonal_lineax, (D,)),
     "diagonal_dense": (_vf_diagonal_dense, (D,)),
@@ -88,6 +100,8 @@ DIFFUSIONS = {
     "commuting_linear": (_vf_commuting_linear, (D,)),
     "general_linear": (_vf_general_linear, (D,)),
     "row_scaled": (_vf_row_scaled, (D,)),
+    "row_scaled_linear": (_vf_row_scaled_linear, (D,)),
+    "column_scaled_linear": (_vf_column_scaled_linear, (D,)),
 }
 
 _Y0 = jnp.array([1.0, 0.5, -0.3])
@@ -211,7 +225,16 @@ def _dense_trace(vf, y, m):
 
 @pytest.mark.parametrize(
     "name",
-    ["diagonal_dense", "scalar_1", "additive", "commuting_linear", "general_linear", "row_scaled"],
+    [
+        "diagonal_dense",
+        "scalar_1",
+        "additive",
+        "commuting_linear",
+        "general_linear",
+        "row_scaled",
+        "row_scaled_linear",
+        "column_scaled_linear",
+    ],
 )
 def test_ito_trace_term_against_jacfwd(name, monkeypatch):
     vf, shape = DIFFUSIONS[name]
@@ -313,7 +336,15 @@ def _dense_correction(vf, y, m, dw, dt):
 
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
 @pytest.mark.parametrize(
-    "name", ["diagonal_dense", "commuting_linear", "general_linear", "row_scaled"]
+    "name",
+    [
+        "diagonal_dense",
+        "commuting_linear",
+        "general_linear",
+        "row_scaled",
+        "row_scaled_linear",
+        "column_scaled_linear",
+    ],
 )
 def test_ito_milstein_correction_against_jacfwd(name, dtype):
     vf, shape = DIFFUSIONS[name]
@@ -329,6 +360,30 @@ def test_ito_milstein_correction_against_jacfwd(name, dtype):
     tol = 1e-12 if dtype == jnp.float64 else 1e-5
     np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
     assert np.max(np.abs(expected)) > 1e-3  # not a comparison of zeros
+
+
+@pytest.mark.parametrize(
+    "vf, linear",
+    [
+        (_vf_row_scaled_linear, True),
+        (_vf_column_scaled_linear, True),
+        (_vf_general_linear, True),
+        (lambda t, y, args: 2.0 * (0.5 * y)[:, None] * _B_GENERAL[:, :, 0], True),
+        (_vf_row_scaled, False),  # sin(y_i): the derivative depends on y
+        (lambda t, y, args: _vf_row_scaled_linear(t, y, args) + _G_ADDITIVE[:, :1], False),
+        (lambda t, y, args: (y + 1.0)[:, None] * _B_GENERAL[:, :, 0], False),
+    ],
+)
+def test_linear_in_state(vf, linear):
+    # Which diffusions the Itô correction treats as g = D y (its trace term then
+    # contracts the derivative with itself, then with y): a wrong `True` would drop a
+    # constant term of g from the correction.
+    diffusion = dfx.ControlTerm(vf, _vbt((D,), jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    assert _term_module._linear_in_state(diffusion, 0.3, y, None) is linear
+    expected = _dense_trace(vf, y, D)
+    got = milstein_module.ito_trace_term(diffusion, 0.3, y, None)
+    np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-14)
 
 
 @pytest.mark.parametrize("name", ["diagonal_lineax", "scalar_1", "additive"])
