@@ -7,6 +7,7 @@ state, and the structure queries that the Milstein solvers use, all through the 
 engine rather than `jax.jacfwd`.
 """
 
+import functools
 from typing import Literal
 
 import diffrax
@@ -391,7 +392,8 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     y_leaves, y_tree = jtu.tree_flatten(y)
     n_c = len(jtu.tree_leaves(control_zeros(term, t)))
-    linear = len(y_leaves) == 1 and n_c == 1 and _linear_in_state(term, t, y, args)
+    # Whether g = D y: asked only where it matters (it traces `term` twice more).
+    linear = functools.cache(lambda: _linear_in_state(term, t, y, args))
     out = []
     for q, yq in enumerate(y_leaves):
         total = jnp.zeros(jnp.shape(yq), jnp.result_type(yq))
@@ -423,7 +425,7 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
                             if isinstance(w, tuple):
                                 u, v = (c * w[0]).astype(dtype), jnp.asarray(w[1], dtype)
                                 pieces.append([(u, in_labels), (v, c_labels)])
-                            elif linear and w is g_rp:
+                            elif w is g_rp and linear():
                                 total = total + (c * _linear_trace(d, yq, nq)).astype(total.dtype)
                             else:
                                 w_rp = (c * w).astype(dtype)
@@ -437,9 +439,12 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
 
 
 def _linear_in_state(term, t, y, args) -> bool:
-    """Whether the term's matrix is, as far as its program shows, linear in the state: its
-    derivative does not depend on `y` and it holds no constant term."""
+    """Whether the term's matrix is, as far as its program shows, linear in the one state
+    array `y` (with one control array): its derivative does not depend on `y` and it holds
+    no constant term."""
     y_leaves, y_tree = jtu.tree_flatten(y)
+    if len(y_leaves) != 1 or len(jtu.tree_leaves(control_zeros(term, t))) != 1:
+        return False
 
     def derivative_values(*leaves):
         blocks, _, _ = structured_blocks(
