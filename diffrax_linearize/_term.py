@@ -519,6 +519,35 @@ def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
     return _contract_derivative(term, t, y, args, weight)
 
 
+def stratonovich_milstein_correction(term, t, y, args, g_prod, dw):
+    """$\\sum_{j_1, j_2} (L^{j_1} g_{:, j_2}) \\Delta W_{j_1} \\Delta W_{j_2}$, the double
+    sum of the Stratonovich Milstein step, where `g_prod` is $g(y) \\Delta W$, or `None`
+    where this is not cheaper than one JVP of $y \\mapsto g(y) \\Delta W$ along `g_prod`.
+
+    Cheaper for general noise whose structured derivative stores, block by block, no more
+    numbers than $g$ (for $g_{ij} = f(y_i) G_{ij}$ a delta times $G$): there it is
+    $(g \\Delta W) \\odot (D \\Delta W)$, one matrix-vector product per block, where the
+    JVP forms $D \\odot (g \\Delta W)$, a $d \\times m$ array, for one. Where the derivative
+    is bigger ($g = A y$) both read it once, and the JVP is kept."""
+    api = "diffrax_linearize.StratonovichMilstein"
+    if _is_complex(term, t, y, args) or _noise_structure(term, t, y, args, api) != "general":
+        return None
+    matrix = jtu.tree_leaves(materialise(term, t, y, args))
+    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
+    n_y, n_c = len(jtu.tree_leaves(y)), len(jtu.tree_leaves(dw))
+    for q in range(n_y):
+        for p in range(n_c):
+            for r in range(n_y):
+                d = dblocks[q * n_c + p][r]
+                if d is not None and jnp.size(ell_to_plain(d).val) > jnp.size(matrix[r * n_c + p]):
+                    return None
+    g_leaves = jtu.tree_leaves(g_prod)
+    dw_leaves = jtu.tree_leaves(dw)
+    return _contract_derivative(
+        term, t, y, args, lambda g_rp, r, p: [(1, (g_leaves[r], dw_leaves[p]))]
+    )
+
+
 def commutativity_defect(term: diffrax.AbstractTerm, t, y, args) -> Array:
     """A numerical check, for debugging, of the commutativity condition
     $L^{j_1} g^{j_2} = L^{j_2} g^{j_1}$ at one point, where

@@ -363,6 +363,39 @@ def test_ito_milstein_correction_against_jacfwd(name, dtype):
 
 
 @pytest.mark.parametrize(
+    "name", ["diagonal_dense", "row_scaled", "row_scaled_linear", "column_scaled_linear"]
+)
+def test_stratonovich_milstein_correction_against_jacfwd(name):
+    # The symmetric double sum, from the dense Jacobian (the Itô one with dt = 0).
+    vf, shape = DIFFUSIONS[name]
+    m = int(np.prod(shape))
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    dw = jr.normal(jr.key(1), (m,))
+    g_prod = diffusion.prod(vf(0.3, y, None), dw)
+    got = _term_module.stratonovich_milstein_correction(diffusion, 0.3, y, None, g_prod, dw)
+    expected = _dense_correction(vf, y, m, dw, 0.0)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-13)
+    assert np.max(np.abs(expected)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "name", ["general_linear", "commuting_linear", "diagonal_lineax", "scalar_1", "additive"]
+)
+def test_stratonovich_milstein_correction_leaves_the_rest_to_the_jvp(name):
+    # A derivative stored bigger than g (g = A y: both read A once) or simple noise: the
+    # one JVP is no dearer.
+    vf, shape = DIFFUSIONS[name]
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    dw = jnp.ones(shape)
+    g_prod = diffusion.prod(vf(0.3, y, None), dw)
+    assert (
+        _term_module.stratonovich_milstein_correction(diffusion, 0.3, y, None, g_prod, dw) is None
+    )
+
+
+@pytest.mark.parametrize(
     "vf, linear",
     [
         (_vf_row_scaled_linear, True),

@@ -29,7 +29,11 @@ from diffrax import (
 )
 from jaxtyping import ArrayLike, Bool, PyTree, Real, Scalar
 
-from .._term import ito_milstein_correction, milstein_trace_term
+from .._term import (
+    ito_milstein_correction,
+    milstein_trace_term,
+    stratonovich_milstein_correction,
+)
 
 
 _RealScalarLike: TypeAlias = Real[ArrayLike, ""]
@@ -206,11 +210,14 @@ def _milstein_parts(
 
     # sum_{j1, j2} (L^{j1} g_{:, j2}) dw_{j1} dw_{j2}: the derivative of y -> g(y) dw in
     # the direction g(y0) dw. One JVP, whatever the structure of the diffusion.
-    correction = None
     if ito:
         # For general noise, the whole Itô double sum in one contraction of the structured
         # derivative of the diffusion (each stored entry read once).
         correction = ito_milstein_correction(diffusion, t0, y0, args, g0_prod, dw, dt)
+    else:
+        # For general noise with a compactly stored derivative, one matrix-vector product
+        # with it instead of a JVP that forms a d x m array.
+        correction = stratonovich_milstein_correction(diffusion, t0, y0, args, g0_prod, dw)
     if correction is None:
         _, sym_prod = jax.jvp(lambda _y: diffusion.vf_prod(t0, _y, args, dw), (y0,), (g0_prod,))
         v0_prod = sym_prod
@@ -219,6 +226,8 @@ def _milstein_parts(
             trace = ito_trace_term(diffusion, t0, y0, args)
             with jax.numpy_dtype_promotion("standard"):
                 v0_prod = jtu.tree_map(lambda v, tr: v - dt * tr, v0_prod, trace)
+    elif not ito:
+        v0_prod = sym_prod = correction
     else:
         v0_prod = correction
         # Only the error estimate needs the symmetric sum on its own: under a constant step
