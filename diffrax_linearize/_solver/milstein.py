@@ -2,8 +2,10 @@
 the diffusion through `prod`.
 
 Every quantity that depends on the structure of the diffusion goes through
-`ito_trace_term` (and, when asked for, `commutator_defect`): these are the hooks that
-the structure engine plugs into. Everything else is one JVP, whatever the diffusion.
+`ito_trace_term`, the double sums of `_term.py` (`ito_milstein_correction`,
+`stratonovich_milstein_correction`, for general noise) and, when asked for,
+`commutator_defect`: these are the hooks that the structure engine plugs into. Everything
+else is one JVP, whatever the diffusion.
 """
 
 import abc
@@ -485,7 +487,9 @@ class StratonovichMilstein(MilsteinCommon, AbstractAdaptiveSolver, AbstractStrat
     \qquad L^{j} = \sum_k g_{k j} \partial_k,$$
 
     with $f$, $g$ evaluated at $(t_0, y_0)$. The double sum is one JVP of
-    $y \mapsto g(y) \Delta W$ in the direction $g \Delta W$.
+    $y \mapsto g(y) \Delta W$ in the direction $g \Delta W$, or, for general noise whose
+    structured derivative stores no more numbers than $g$ (for $g_{ij} = f(y_i) G_{ij}$),
+    one matrix-vector product with that derivative.
 
     !!! warning
 
