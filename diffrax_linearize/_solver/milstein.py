@@ -211,7 +211,7 @@ def _milstein_parts(
     g0_prod = diffusion.vf_prod(t0, y0, args, dw)
 
     # sum_{j1, j2} (L^{j1} g_{:, j2}) dw_{j1} dw_{j2}: the derivative of y -> g(y) dw in
-    # the direction g(y0) dw. One JVP, whatever the structure of the diffusion.
+    # the direction g(y0) dw. One JVP, unless the structured derivative does it cheaper.
     if ito:
         # For general noise, the whole Itô double sum in one contraction of the structured
         # derivative of the diffusion (each stored entry read once).
