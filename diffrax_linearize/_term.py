@@ -7,6 +7,7 @@ state, and the structure queries that the Milstein solvers use, all through the 
 engine rather than `jax.jacfwd`.
 """
 
+import functools
 from typing import Literal
 
 import diffrax
@@ -16,8 +17,10 @@ import jax.tree_util as jtu
 from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, PyTree
 
+from ._compat import used_inputs
 from ._custom_types import MaterialiseMode
 from ._diagonal import jacobian_diagonal
+from ._interpreter import may_add_constants
 from ._materialise import (
     _materialise,
     materialise,
@@ -26,7 +29,7 @@ from ._materialise import (
     structured_blocks,
 )
 from ._sparsity import ell_to_plain
-from ._structure import contract, place
+from ._structure import contract, fresh_label, place
 
 
 NoiseStructure = Literal["additive", "scalar", "diagonal", "general"]
@@ -376,11 +379,21 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
     it stores no more (for $g_{ij} = y_i G_{ij}$ a delta times $G$) each term is
     contracted on its own: an outer product as two vectors, so that nothing computed per
     entry of `u` or `v` (a Brownian increment's `erf_inv`) lands in a loop over the
-    entries of $W$, where XLA would fuse and repeat it."""
+    entries of $W$, where XLA would fuse and repeat it.
+
+    Where moreover the diffusion is linear in the state, $g = D y$ with one state and one
+    control array (for $g_{ij} = y_i G_{ij}$), a matrix term $g$ is contracted as
+    $(D \\cdot D) \\cdot y$: the two copies of the derivative first, then `y`. For a delta
+    times $G$ that is a sum of squares of $G$ over the noise channels, one reduction that
+    reads $G$ alone and depends on nothing else (hoisted out of a solve's loop by XLA),
+    where the contraction with $g$ reads $G$ and writes $G \\odot g$ for a
+    matrix-vector product with ones."""
     matrix = jtu.tree_leaves(materialise(term, t, y, args))
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     y_leaves, y_tree = jtu.tree_flatten(y)
     n_c = len(jtu.tree_leaves(control_zeros(term, t)))
+    # Whether g = D y: asked only where it matters (it traces `term` twice more).
+    linear = functools.cache(lambda: _linear_in_state(term, t, y, args))
     out = []
     for q, yq in enumerate(y_leaves):
         total = jnp.zeros(jnp.shape(yq), jnp.result_type(yq))
@@ -412,6 +425,8 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
                             if isinstance(w, tuple):
                                 u, v = (c * w[0]).astype(dtype), jnp.asarray(w[1], dtype)
                                 pieces.append([(u, in_labels), (v, c_labels)])
+                            elif w is g_rp and linear():
+                                total = total + (c * _linear_trace(d, yq, nq)).astype(total.dtype)
                             else:
                                 w_rp = (c * w).astype(dtype)
                                 pieces.append([(w_rp, in_labels + c_labels)])
@@ -421,6 +436,63 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
                     total = total + jnp.broadcast_to(val, jnp.shape(yq)).astype(total.dtype)
         out.append(total)
     return jtu.tree_unflatten(y_tree, out)
+
+
+def _linear_in_state(term, t, y, args) -> bool:
+    """Whether the term's matrix is, as far as its program shows, linear in the one state
+    array `y` (with one control array): its derivative does not depend on `y` and it holds
+    no constant term."""
+    y_leaves, y_tree = jtu.tree_flatten(y)
+    if len(y_leaves) != 1 or len(jtu.tree_leaves(control_zeros(term, t))) != 1:
+        return False
+
+    def derivative_values(*leaves):
+        blocks, _, _ = structured_blocks(
+            _dense_matrix_flat(term, t, args), jtu.tree_unflatten(y_tree, leaves)
+        )
+        return [ell_to_plain(b).val for row in blocks for b in row if b is not None]
+
+    closed = jax.make_jaxpr(derivative_values)(*y_leaves)
+    if any(used_inputs(closed.jaxpr, [True] * len(closed.jaxpr.outvars))):
+        return False
+    closed = jax.make_jaxpr(
+        lambda *leaves: _dense_matrix_flat(term, t, args)(jtu.tree_unflatten(y_tree, leaves))
+    )(*y_leaves)
+    return not may_add_constants(closed.jaxpr, [True] * len(closed.jaxpr.invars))
+
+
+def _linear_trace(d, y, nq: int):
+    """$\\sum_{j, k} D_{i j k}\\, g_{k j}$ for a diffusion linear in the one state array
+    `y`, $g_{k j} = \\sum_l D_{k j l}\\, y_l$, with `d` the (plain) block of $D$: the two
+    copies of $D$ contracted first, then `y`."""
+    y_labels = tuple(d.out_labels[:nq])
+    c_labels = tuple(d.out_labels[nq:])
+    in_labels = tuple(d.in_labels)
+    # The second copy's row axes are the first copy's state axes (its `in_labels`), its
+    # control axes the same; every other label is a new one.
+    rename = dict(zip(y_labels, in_labels))
+    rename.update((c, c) for c in c_labels)
+    sizes = dict(d.sizes)
+    for label in (*d.val_labels, *in_labels):
+        if label not in rename:
+            rename[label] = fresh_label()
+            sizes[rename[label]] = d.sizes[label]
+    first = (d.val, tuple(d.val_labels))
+    second = (d.val, tuple(rename[label] for label in d.val_labels))
+    state = tuple(rename[label] for label in in_labels)
+    keep = y_labels + tuple(label for label in state if label not in y_labels)
+    if set(first[1]) == set(second[1]):
+        # The product, then a sum: one reduction over the noise channels (a sum of squares
+        # for a delta times G), which XLA runs without writing the product.
+        every = first[1]
+        val, labels = contract(
+            [(first[0] * place(second[0], second[1], every), every)], keep, sizes
+        )
+    else:
+        val, labels = contract([first, second], keep, sizes)
+    val, labels = contract([(jnp.asarray(val), labels), (y, state)], y_labels, sizes)
+    val = place(jnp.asarray(val), labels, y_labels)
+    return jnp.broadcast_to(val, jnp.shape(y))
 
 
 def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
@@ -445,6 +517,35 @@ def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
         return [(1, (g_leaves[r], dw_leaves[p])), (-dt, g_rp)]
 
     return _contract_derivative(term, t, y, args, weight)
+
+
+def stratonovich_milstein_correction(term, t, y, args, g_prod, dw):
+    """$\\sum_{j_1, j_2} (L^{j_1} g_{:, j_2}) \\Delta W_{j_1} \\Delta W_{j_2}$, the double
+    sum of the Stratonovich Milstein step, where `g_prod` is $g(y) \\Delta W$, or `None`
+    where this is not cheaper than one JVP of $y \\mapsto g(y) \\Delta W$ along `g_prod`.
+
+    Cheaper for general noise whose structured derivative stores, block by block, no more
+    numbers than $g$ (for $g_{ij} = f(y_i) G_{ij}$ a delta times $G$): there it is
+    $(g \\Delta W) \\odot (D \\Delta W)$, one matrix-vector product per block, where the
+    JVP forms $D \\odot (g \\Delta W)$, a $d \\times m$ array, for one. Where the derivative
+    is bigger ($g = A y$) both read it once, and the JVP is kept."""
+    api = "diffrax_linearize.StratonovichMilstein"
+    if _is_complex(term, t, y, args) or _noise_structure(term, t, y, args, api) != "general":
+        return None
+    matrix = jtu.tree_leaves(materialise(term, t, y, args))
+    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
+    n_y, n_c = len(jtu.tree_leaves(y)), len(jtu.tree_leaves(dw))
+    for q in range(n_y):
+        for p in range(n_c):
+            for r in range(n_y):
+                d = dblocks[q * n_c + p][r]
+                if d is not None and jnp.size(ell_to_plain(d).val) > jnp.size(matrix[r * n_c + p]):
+                    return None
+    g_leaves = jtu.tree_leaves(g_prod)
+    dw_leaves = jtu.tree_leaves(dw)
+    return _contract_derivative(
+        term, t, y, args, lambda g_rp, r, p: [(1, (g_leaves[r], dw_leaves[p]))]
+    )
 
 
 def commutativity_defect(term: diffrax.AbstractTerm, t, y, args) -> Array:

@@ -79,6 +79,18 @@ def _vf_row_scaled(t, y, args):
     return (0.5 * jnp.sin(y) + 0.3 * y)[:, None] * _B_GENERAL[:, :, 0]
 
 
+def _vf_row_scaled_linear(t, y, args):
+    # g_ij = y_i G_ij: linear in y, so the Itô correction's trace term is contracted as
+    # (D . D) . y, a sum of squares of G over the noise channels times y.
+    return y[:, None] * _B_GENERAL[:, :, 0]
+
+
+def _vf_column_scaled_linear(t, y, args):
+    # g_ij = G_ij y_j: linear in y, with the derivative's state axis tied to the control
+    # axis rather than to the row (the general contraction of the linear path).
+    return _B_GENERAL[:, :, 1] * y[None, :]
+
+
 DIFFUSIONS = {
     "diagonal_lineax": (_vf_diagonal_lineax, (D,)),
     "diagonal_dense": (_vf_diagonal_dense, (D,)),
@@ -88,6 +100,8 @@ DIFFUSIONS = {
     "commuting_linear": (_vf_commuting_linear, (D,)),
     "general_linear": (_vf_general_linear, (D,)),
     "row_scaled": (_vf_row_scaled, (D,)),
+    "row_scaled_linear": (_vf_row_scaled_linear, (D,)),
+    "column_scaled_linear": (_vf_column_scaled_linear, (D,)),
 }
 
 _Y0 = jnp.array([1.0, 0.5, -0.3])
@@ -183,6 +197,27 @@ def test_diffeqsolve_agrees_with_diffrax_vmapped_over_paths():
     assert not np.allclose(ours[0], ours[1])  # really different paths
 
 
+def test_linear_diffusion_vmapped_over_args_and_differentiated():
+    # g_ij = y_i G_ij with G batched (the linearity check traces under `jax.vmap`) and
+    # differentiated (the sum of squares of G carries the gradient): one Itô step.
+    def vf(t, y, G):
+        return y[:, None] * G
+
+    def step(G, solver):
+        terms = _terms(vf, _FixedIncrements(jnp.array([0.3, -0.2, 0.25])))
+        return solver.step(terms, 0.0, 0.1, _Y0, G, None, False)[0]
+
+    Gs = 0.4 * jr.normal(jr.key(5), (2, D, D))
+    ours, theirs = dl.ItoMilstein(), dfx.ItoMilstein()
+    got = jax.jit(jax.vmap(lambda G: step(G, ours)))(Gs)
+    expected = jax.vmap(lambda G: step(G, theirs))(Gs)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-13)
+    assert not np.allclose(got[0], got[1])
+    grad = jax.jit(jax.grad(lambda G: jnp.sum(step(G, ours))))(Gs[0])
+    grad_theirs = jax.grad(lambda G: jnp.sum(step(G, theirs)))(Gs[0])
+    np.testing.assert_allclose(grad, grad_theirs, rtol=1e-12, atol=1e-13)
+
+
 def test_unsafe_brownian_path_agrees_with_diffrax():
     terms = _terms(_vf_commuting_linear, dfx.UnsafeBrownianPath((D,), jr.key(3)))
 
@@ -211,7 +246,16 @@ def _dense_trace(vf, y, m):
 
 @pytest.mark.parametrize(
     "name",
-    ["diagonal_dense", "scalar_1", "additive", "commuting_linear", "general_linear", "row_scaled"],
+    [
+        "diagonal_dense",
+        "scalar_1",
+        "additive",
+        "commuting_linear",
+        "general_linear",
+        "row_scaled",
+        "row_scaled_linear",
+        "column_scaled_linear",
+    ],
 )
 def test_ito_trace_term_against_jacfwd(name, monkeypatch):
     vf, shape = DIFFUSIONS[name]
@@ -313,7 +357,15 @@ def _dense_correction(vf, y, m, dw, dt):
 
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
 @pytest.mark.parametrize(
-    "name", ["diagonal_dense", "commuting_linear", "general_linear", "row_scaled"]
+    "name",
+    [
+        "diagonal_dense",
+        "commuting_linear",
+        "general_linear",
+        "row_scaled",
+        "row_scaled_linear",
+        "column_scaled_linear",
+    ],
 )
 def test_ito_milstein_correction_against_jacfwd(name, dtype):
     vf, shape = DIFFUSIONS[name]
@@ -329,6 +381,63 @@ def test_ito_milstein_correction_against_jacfwd(name, dtype):
     tol = 1e-12 if dtype == jnp.float64 else 1e-5
     np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
     assert np.max(np.abs(expected)) > 1e-3  # not a comparison of zeros
+
+
+@pytest.mark.parametrize(
+    "name", ["diagonal_dense", "row_scaled", "row_scaled_linear", "column_scaled_linear"]
+)
+def test_stratonovich_milstein_correction_against_jacfwd(name):
+    # The symmetric double sum, from the dense Jacobian (the Itô one with dt = 0).
+    vf, shape = DIFFUSIONS[name]
+    m = int(np.prod(shape))
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    dw = jr.normal(jr.key(1), (m,))
+    g_prod = diffusion.prod(vf(0.3, y, None), dw)
+    got = _term_module.stratonovich_milstein_correction(diffusion, 0.3, y, None, g_prod, dw)
+    expected = _dense_correction(vf, y, m, dw, 0.0)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-13)
+    assert np.max(np.abs(expected)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "name", ["general_linear", "commuting_linear", "diagonal_lineax", "scalar_1", "additive"]
+)
+def test_stratonovich_milstein_correction_leaves_the_rest_to_the_jvp(name):
+    # A derivative stored bigger than g (g = A y: both read A once) or simple noise: the
+    # one JVP is no dearer.
+    vf, shape = DIFFUSIONS[name]
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    dw = jnp.ones(shape)
+    g_prod = diffusion.prod(vf(0.3, y, None), dw)
+    assert (
+        _term_module.stratonovich_milstein_correction(diffusion, 0.3, y, None, g_prod, dw) is None
+    )
+
+
+@pytest.mark.parametrize(
+    "vf, linear",
+    [
+        (_vf_row_scaled_linear, True),
+        (_vf_column_scaled_linear, True),
+        (_vf_general_linear, True),
+        (lambda t, y, args: 2.0 * (0.5 * y)[:, None] * _B_GENERAL[:, :, 0], True),
+        (_vf_row_scaled, False),  # sin(y_i): the derivative depends on y
+        (lambda t, y, args: _vf_row_scaled_linear(t, y, args) + _G_ADDITIVE[:, :1], False),
+        (lambda t, y, args: (y + 1.0)[:, None] * _B_GENERAL[:, :, 0], False),
+    ],
+)
+def test_linear_in_state(vf, linear):
+    # Which diffusions the Itô correction treats as g = D y (its trace term then
+    # contracts the derivative with itself, then with y): a wrong `True` would drop a
+    # constant term of g from the correction.
+    diffusion = dfx.ControlTerm(vf, _vbt((D,), jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    assert _term_module._linear_in_state(diffusion, 0.3, y, None) is linear
+    expected = _dense_trace(vf, y, D)
+    got = milstein_module.ito_trace_term(diffusion, 0.3, y, None)
+    np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-14)
 
 
 @pytest.mark.parametrize("name", ["diagonal_lineax", "scalar_1", "additive"])

@@ -2,8 +2,10 @@
 the diffusion through `prod`.
 
 Every quantity that depends on the structure of the diffusion goes through
-`ito_trace_term` (and, when asked for, `commutator_defect`): these are the hooks that
-the structure engine plugs into. Everything else is one JVP, whatever the diffusion.
+`ito_trace_term`, the double sums of `_term.py` (`ito_milstein_correction`,
+`stratonovich_milstein_correction`, for general noise) and, when asked for,
+`commutator_defect`: these are the hooks that the structure engine plugs into. Everything
+else is one JVP, whatever the diffusion.
 """
 
 import abc
@@ -29,7 +31,11 @@ from diffrax import (
 )
 from jaxtyping import ArrayLike, Bool, PyTree, Real, Scalar
 
-from .._term import ito_milstein_correction, milstein_trace_term
+from .._term import (
+    ito_milstein_correction,
+    milstein_trace_term,
+    stratonovich_milstein_correction,
+)
 
 
 _RealScalarLike: TypeAlias = Real[ArrayLike, ""]
@@ -205,12 +211,15 @@ def _milstein_parts(
     g0_prod = diffusion.vf_prod(t0, y0, args, dw)
 
     # sum_{j1, j2} (L^{j1} g_{:, j2}) dw_{j1} dw_{j2}: the derivative of y -> g(y) dw in
-    # the direction g(y0) dw. One JVP, whatever the structure of the diffusion.
-    correction = None
+    # the direction g(y0) dw. One JVP, unless the structured derivative does it cheaper.
     if ito:
         # For general noise, the whole Itô double sum in one contraction of the structured
         # derivative of the diffusion (each stored entry read once).
         correction = ito_milstein_correction(diffusion, t0, y0, args, g0_prod, dw, dt)
+    else:
+        # For general noise with a compactly stored derivative, one matrix-vector product
+        # with it instead of a JVP that forms a d x m array.
+        correction = stratonovich_milstein_correction(diffusion, t0, y0, args, g0_prod, dw)
     if correction is None:
         _, sym_prod = jax.jvp(lambda _y: diffusion.vf_prod(t0, _y, args, dw), (y0,), (g0_prod,))
         v0_prod = sym_prod
@@ -219,6 +228,8 @@ def _milstein_parts(
             trace = ito_trace_term(diffusion, t0, y0, args)
             with jax.numpy_dtype_promotion("standard"):
                 v0_prod = jtu.tree_map(lambda v, tr: v - dt * tr, v0_prod, trace)
+    elif not ito:
+        v0_prod = sym_prod = correction
     else:
         v0_prod = correction
         # Only the error estimate needs the symmetric sum on its own: under a constant step
@@ -476,7 +487,9 @@ class StratonovichMilstein(MilsteinCommon, AbstractAdaptiveSolver, AbstractStrat
     \qquad L^{j} = \sum_k g_{k j} \partial_k,$$
 
     with $f$, $g$ evaluated at $(t_0, y_0)$. The double sum is one JVP of
-    $y \mapsto g(y) \Delta W$ in the direction $g \Delta W$.
+    $y \mapsto g(y) \Delta W$ in the direction $g \Delta W$, or, for general noise whose
+    structured derivative stores no more numbers than $g$ (for $g_{ij} = f(y_i) G_{ij}$),
+    one matrix-vector product with that derivative.
 
     !!! warning
 
