@@ -311,6 +311,23 @@ def test_no_dense_block_at_scale():
         assert np.prod(block.shape) <= most * n, (fn.__name__, block.shape)
 
 
+def test_fft_field_is_jacfwds_program():
+    """FFT, dense by nature: the transform of the identity leaves the walk nothing to
+    save, and the Jacobian is `jax.jacfwd`'s own program, without the check for its NaNs
+    or the branch recomputing them (no `cond`), NaN rows included."""
+    u = jnp.asarray(np.random.RandomState(0).rand(64))
+    for fn in (dl.materialise, lambda f, x: dl.materialise_operator(f, x).as_matrix()):
+        assert "cond" not in primitive_names(lambda x: fn(structure.fft_field, x), u)
+        np.testing.assert_allclose(
+            fn(structure.fft_field, u), jax.jacfwd(structure.fft_field)(u), rtol=0, atol=1e-10
+        )
+    # An infinite derivative makes the rest of its row NaN, as `jax.jacfwd` (eager) does.
+    u = u.at[5].set(jnp.inf)
+    got, expected = dl.materialise(structure.fft_field, u), jax.jacfwd(structure.fft_field)(u)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    assert np.isnan(np.delete(expected[5], 5)).all()
+
+
 # ---- idioms, one at a time ----------------------------------------------------------------
 
 
