@@ -15,7 +15,7 @@ import lineax as lx
 import numpy as np
 import pytest
 from benchmarks import structure
-from diffrax_linearize import _materialise, _sparsity
+from diffrax_linearize import _interpreter, _materialise, _sparsity
 from helpers import assert_tree_allclose, primitive_names
 
 
@@ -309,6 +309,21 @@ def test_no_dense_block_at_scale():
     ]:
         block = jax.eval_shape(lambda x: _block(fn, x).val, jax.ShapeDtypeStruct((n,), jnp.float64))
         assert np.prod(block.shape) <= most * n, (fn.__name__, block.shape)
+
+
+def test_nbody_program_does_not_grow_with_the_bodies():
+    """N-body, dense by nature: the sum over bodies folds the entries of every body into
+    each row, merged by one gather whatever their number (the program grew by a slice per
+    entry, thousands of equations to trace and compile)."""
+    sizes = {}
+    for bodies in (24, 48):
+        x = jnp.asarray(np.random.RandomState(bodies).rand(3 * bodies))
+        closed = jax.make_jaxpr(lambda x: dl.materialise(structure.nbody, x))(x)
+        sizes[bodies] = sum(1 for _ in _interpreter.iter_eqns(closed.jaxpr))
+    assert sizes[24] == sizes[48], sizes
+    expected = jax.jit(jax.jacfwd(structure.nbody))(x)
+    for fn in (dl.materialise, lambda f, x: dl.materialise_operator(f, x).as_matrix()):
+        np.testing.assert_allclose(fn(structure.nbody, x), expected, rtol=1e-11, atol=1e-9)
 
 
 def test_fft_field_is_jacfwds_program():
