@@ -67,12 +67,18 @@ class Context:
     - `coloured`: filled in by `record_colouring`: for each primitive computed by the
         sparse fallback, the number of colours (compressed evaluations) of each of its
         equations.
+    - `structured_work`, `jacfwd_work`, `control_flow`: filled in by `count_work`: the
+        numbers the rules' traced blocks held, those `jax.jacfwd` computes for the same
+        equations, and whether the walk met a loop or a branch.
     """
 
     in_shapes: list[tuple[int, ...]]
     densified: dict[str, int] = dataclasses.field(default_factory=dict)
     coloured: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     reasons: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    structured_work: int = 0
+    jacfwd_work: int = 0
+    control_flow: bool = False
 
     def record(self, name: str, reason: str | None = None):
         """An equation of primitive `name` whose result was made dense, and why."""
@@ -82,6 +88,34 @@ class Context:
             if reason not in known_reasons:
                 known_reasons.append(reason)
 
+    def count_work(self, eqn, vals, outs):
+        """Count an equation the rules evaluated: the numbers its traced blocks hold (in
+        and out, whichever is more), against the numbers `jax.jacfwd` computes for it
+        (its linear inputs or outputs, whichever are more, once per basis vector, times
+        the contracted size of a product). Calls are counted by their equations; control
+        flow only marks the walk (its bodies are walked more than once)."""
+        if call_jaxpr(eqn, custom_jvp=True) is not None:
+            return
+        if any(eqn.primitive is prim(name) for name in _CONTROL_FLOW):
+            self.control_flow = True
+            return
+
+        def stored(xs):
+            return sum(
+                math.prod(np.shape(b.val))
+                for x in xs
+                if isinstance(x, Lin)
+                for b in x.blocks.values()
+                if not isinstance(b.val, np.ndarray | np.generic)
+            )
+
+        def size(xs):
+            return sum(math.prod(x.shape) for x in xs if isinstance(x, Lin))
+
+        n_in = sum(math.prod(s) for s in self.in_shapes)
+        self.structured_work += max(stored(vals), stored(outs))
+        self.jacfwd_work += n_in * max(size(vals), size(outs)) * _contracted_size(eqn)
+
     def record_colouring(self, name: str, colours: int):
         """An equation computed by the sparse fallback, with `colours` compressed
         evaluations."""
@@ -89,6 +123,22 @@ class Context:
 
 
 Rule = Callable[..., object]
+
+_CONTROL_FLOW = ("scan", "while", "cond")
+
+
+def _contracted_size(eqn) -> int:
+    """How many products each output element of `eqn` sums: the contracted size of a
+    `dot_general` or a convolution, else one."""
+    if eqn.primitive is prim("dot_general"):
+        (contracting, _), _ = eqn.params["dimension_numbers"]
+        return math.prod(eqn.invars[0].aval.shape[d] for d in contracting)
+    if eqn.primitive is prim("conv_general_dilated"):
+        rhs = eqn.invars[1].aval.shape
+        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        return max(1, math.prod(rhs) // max(1, out_features))
+    return 1
+
 
 JACOBIAN = "jacobian"
 """The name of the structure engine's own recursion: the rules that propagate
@@ -333,6 +383,7 @@ def apply_rule(ctx: Context, eqn, vals) -> list:
     if outs is NotImplemented:
         reason = "no structure rule" if rule is None else "its rule does not cover this case"
         outs = dense_fallback(ctx, eqn, vals, reason=reason)
+    ctx.count_work(eqn, vals, outs)
     return outs
 
 

@@ -569,6 +569,9 @@ def _dense_jacobian(spec: _Spec, consts, diff, rest):
     _, f_jvp = jax.linearize(_function(spec, consts, rest), *diff)
     blocks, ctx, reverse = _structured_jacobian(spec, consts, diff, rest, f_jvp)
     _check_strict(spec, ctx.densified, ctx.reasons)
+    if reverse is None and _dense_by_nature(ctx, blocks):
+        # `jax.jacfwd`'s own computation: its NaN pattern too, with nothing to check.
+        return _jacfwd_cells(spec, f_jvp, diff, chunk=None)
     if not spec.nan_as_jacfwd:
         return _dense_cells(spec, blocks, diff)
     # `jax.jacfwd` pushes every basis vector through the linearisation, so a NaN or
@@ -616,7 +619,23 @@ def _dense_jacobian(spec: _Spec, consts, diff, rest):
 _FALLBACK_CHUNK = 64
 
 
-def _jacfwd_cells(spec: _Spec, f_jvp, diff):
+def _dense_by_nature(ctx: Context, blocks) -> bool:
+    """Whether every block of the Jacobian is dense and the walk saved less than half of
+    the work of `jax.jacfwd` (`Context.count_work`; an FFT, where the transform is applied
+    to the identity, and every equation after it to dense blocks): then `jax.jacfwd`'s own
+    program, every basis vector pushed through the linearisation, is as fast, compiles
+    faster (no transposes between the rules' layouts, no check for `jax.jacfwd`'s NaNs and
+    no branch recomputing them: it forms them itself), and is what `jax.jacfwd` computes.
+    Never with control flow, whose bodies the walk counts more than once."""
+    return (
+        not ctx.control_flow
+        and ctx.jacfwd_work > 0
+        and 2 * ctx.structured_work >= ctx.jacfwd_work
+        and all(b is not None and b.kind() == "dense" for row in blocks for b in row)
+    )
+
+
+def _jacfwd_cells(spec: _Spec, f_jvp, diff, chunk: int | None = _FALLBACK_CHUNK):
     """`jax.jacfwd`'s computation, as `_dense_cells`: the linearisation of every leaf of
     `diff` at once, mapped over the basis of all of them (the other leaves' tangents are
     zeros, not symbolic zeros, as in `jax.jacfwd`), `_FALLBACK_CHUNK` basis vectors at a
@@ -624,38 +643,47 @@ def _jacfwd_cells(spec: _Spec, f_jvp, diff):
     those on every call: 10-50x the time of a dense `tanh` Jacobian at n = 2000). The basis
     passes an optimisation barrier: XLA rewrites a product with a visible identity into a
     select, which drops the `0 * inf` NaNs that eager `jax.jacfwd` forms (under `jax.jit`,
-    `jax.jacfwd(lambda x: jnp.inf * x)` gives zeros off the diagonal, eagerly NaNs)."""
+    `jax.jacfwd(lambda x: jnp.inf * x)` gives zeros off the diagonal, eagerly NaNs).
+    With `chunk=None` there is no loop: the whole basis is pushed at once, as
+    `jax.jacfwd` does."""
     sizes = [math.prod(jnp.shape(x)) for x in diff]
     n = sum(sizes)
     dtype = jnp.result_type(*diff)
     splits = np.cumsum(sizes)[:-1].tolist()
-    chunk = min(n, _FALLBACK_CHUNK)
+    chunk = n if chunk is None else min(n, chunk)
     avals = [v.aval for v in spec.jaxpr.outvars]
+    dtypes = [_tangent_dtype(a.dtype) for a in avals]
 
     def push(row):
         parts = jnp.split(row, splits)
         return f_jvp(*[t.reshape(jnp.shape(x)).astype(x.dtype) for t, x in zip(parts, diff)])
 
+    def pushed(start):
+        """Columns `start` to `start + chunk` of every output's Jacobian."""
+        rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, n), 0) + start
+        basis = (rows == jax.lax.broadcasted_iota(jnp.int32, (chunk, n), 1)).astype(dtype)
+        outs = jax.vmap(push)(jax.lax.optimization_barrier(basis))
+        return [
+            None if d == jax.dtypes.float0 else t.reshape(chunk, -1).T.astype(d)
+            for t, d in zip(outs, dtypes)
+        ]
+
     def body(k, columns):
         # The last chunk ends at `n`, overlapping the one before it: the same values.
         start = jnp.minimum(k * chunk, n - chunk)
-        rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, n), 0) + start
-        basis = (rows == jax.lax.broadcasted_iota(jnp.int32, (chunk, n), 1)).astype(dtype)
-        pushed = jax.vmap(push)(jax.lax.optimization_barrier(basis))
         return [
-            c
-            if c is None
-            else jax.lax.dynamic_update_slice(c, t.reshape(chunk, -1).T.astype(c.dtype), (0, start))
-            for c, t in zip(columns, pushed)
+            c if c is None else jax.lax.dynamic_update_slice(c, t, (0, start))
+            for c, t in zip(columns, pushed(start))
         ]
 
-    columns = [
-        None
-        if _tangent_dtype(a.dtype) == jax.dtypes.float0
-        else jnp.zeros((math.prod(a.shape), n), _tangent_dtype(a.dtype))
-        for a in avals
-    ]
-    columns = jax.lax.fori_loop(0, -(-n // chunk), body, columns)
+    if chunk == n:
+        columns = pushed(0)
+    else:
+        columns = [
+            None if d == jax.dtypes.float0 else jnp.zeros((math.prod(a.shape), n), d)
+            for a, d in zip(avals, dtypes)
+        ]
+        columns = jax.lax.fori_loop(0, -(-n // chunk), body, columns)
     out = []
     for aval, c in zip(avals, columns):
         cells = []
@@ -1014,6 +1042,11 @@ def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     blocks, ctx, forward = _structured_jacobian(spec, consts, diff, rest, f_jvp)
     _check_strict(spec, ctx.densified, ctx.reasons)
     build = functools.partial(_blocks_operator, spec, diff, diff_tree, out_tree)
+    if forward is None and _dense_by_nature(ctx, blocks):
+        # `jax.jacfwd`'s matrix, as `materialise`: it holds `jax.jvp`'s NaN rows itself.
+        cells = _jacfwd_cells(spec, f_jvp, diff, chunk=None)
+        out_ndims = [len(v.aval.shape) for v in spec.jaxpr.outvars]
+        return build([[Struct.from_dense(c, k) for c in row] for row, k in zip(cells, out_ndims)])
     if spec.nan_as_jacfwd and jvp_may_add_constants(_function(spec, consts, rest), diff):
         plain = build
         build = lambda blocks: plain(_with_constant_nan_rows(spec, f_jvp, diff, blocks))

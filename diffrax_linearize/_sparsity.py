@@ -309,7 +309,10 @@ def _merge_entries(b: Struct, groups: list[list[int]]) -> Struct:
         axis = b.val_labels.index(BAND)
         out_pos = [b.val_labels.index(b.out_labels[k]) for k in varying]
         live = _place_mask(small, axis, out_pos, b.val.ndim)
-    if BAND in b.val_labels:
+    if BAND in b.val_labels and _xp(b.val) is jnp and len(groups) > _UNROLLED_GROUPS:
+        val = _merge_traced_entries(b.val, b.val_labels.index(BAND), groups, uneven, live)
+        val_labels = b.val_labels
+    elif BAND in b.val_labels:
         axis = b.val_labels.index(BAND)
         xp = _xp(b.val)
         pieces = []
@@ -355,6 +358,41 @@ def _merge_entries(b: Struct, groups: list[list[int]]) -> Struct:
         b.in_shape,
         Ell(tmap, new_mask, ell.in_axes),
     )
+
+
+# Past this many merged entries, a traced `val` is merged by one gather and one sum rather
+# than one slice (and one sum) per entry: the sum over the bodies of an N-body field folds
+# thousands of entries, and the program grew by that many equations.
+_UNROLLED_GROUPS = 16
+
+
+def _merge_traced_entries(val, axis, groups, uneven, live):
+    """`_merge_entries`' sums of the entries of each group of a traced `val` (entry axis
+    `axis`), as one gather along that axis and one sum: the groups padded to the longest,
+    the padding and (for the `uneven` groups) the entries outside their `live` mask
+    selected out."""
+    width = max(len(g) for g in groups)
+    idx = np.zeros((len(groups), width), np.int32)
+    for i, g in enumerate(groups):
+        idx[i, : len(g)] = g
+    lengths = np.asarray([len(g) for g in groups])
+    taken = jnp.take(val, idx.reshape(-1), axis=axis, mode="clip")
+    shape = val.shape[:axis] + (len(groups), width) + val.shape[axis + 1 :]
+
+    def along_axis(flags):  # one flag per taken entry, laid out along `axis`
+        return flags.reshape((1,) * axis + (-1,) + (1,) * (val.ndim - axis - 1))
+
+    counted = np.arange(width)[None, :] < lengths[:, None]  # not padding
+    if live is not None:
+        uneven_at = {tuple(g) for g in uneven}
+        masked = np.asarray([tuple(g) in uneven_at for g in groups])
+        masked = np.repeat(masked[:, None], width, axis=1) & counted
+        keep = np.take(live, idx.reshape(-1), axis=axis) | ~along_axis(masked.reshape(-1))
+        keep = keep & along_axis(counted.reshape(-1))
+        taken = jnp.where(keep, taken, jnp.zeros((), val.dtype))
+    elif not counted.all():
+        taken = jnp.where(along_axis(counted.reshape(-1)), taken, jnp.zeros((), val.dtype))
+    return taken.reshape(shape).sum(axis=axis + 1)
 
 
 def _place_mask(mask, axis, out_pos, ndim):
@@ -411,12 +449,33 @@ def _entry_groups(ell: Ell) -> list[list[int]]:
     return sorted(out, key=lambda g: g[0])
 
 
+# Up to this many entries per row, `_compact_rows` first compares them pairwise.
+_PAIRWISE_ENTRIES = 8
+
+
+def _some_row_full(ell: Ell) -> bool:
+    """Whether some row has all its entries live and pointing at different targets, so
+    that merging entries row by row cannot leave fewer (found in `S^2` passes over the
+    pattern, where the merge sorts it: a pairwise difference of positions, `x[j] - x[i]`
+    over every pair of bodies, is such a pattern of millions of rows)."""
+    t = ell.tmap.reshape(ell.S, -1)
+    rows = ell.full_mask().reshape(ell.S, -1).all(axis=0)
+    for i in range(ell.S):
+        for j in range(i + 1, ell.S):
+            if not rows.any():
+                return False
+            rows = rows & (t[i] != t[j])
+    return bool(rows.any())
+
+
 def _compact_rows(b: Struct) -> Struct:
     """Row by row, merge the live entries that point at the same target, if that leaves
     fewer entries than whole-entry merging did (the entries of a stacked block that play
     different roles in different rows)."""
     ell = b.ell
     S = ell.S
+    if S <= _PAIRWISE_ENTRIES and _some_row_full(ell):
+        return b
     t = ell.tmap.reshape(S, -1).astype(np.int64)
     m = ell.full_mask().reshape(S, -1)
     big = np.iinfo(np.int64).max

@@ -15,7 +15,7 @@ import lineax as lx
 import numpy as np
 import pytest
 from benchmarks import structure
-from diffrax_linearize import _materialise, _sparsity
+from diffrax_linearize import _interpreter, _materialise, _sparsity
 from helpers import assert_tree_allclose, primitive_names
 
 
@@ -309,6 +309,38 @@ def test_no_dense_block_at_scale():
     ]:
         block = jax.eval_shape(lambda x: _block(fn, x).val, jax.ShapeDtypeStruct((n,), jnp.float64))
         assert np.prod(block.shape) <= most * n, (fn.__name__, block.shape)
+
+
+def test_nbody_program_does_not_grow_with_the_bodies():
+    """N-body, dense by nature: the sum over bodies folds the entries of every body into
+    each row, merged by one gather whatever their number (the program grew by a slice per
+    entry, thousands of equations to trace and compile)."""
+    sizes = {}
+    for bodies in (24, 48):
+        x = jnp.asarray(np.random.RandomState(bodies).rand(3 * bodies))
+        closed = jax.make_jaxpr(lambda x: dl.materialise(structure.nbody, x))(x)
+        sizes[bodies] = sum(1 for _ in _interpreter.iter_eqns(closed.jaxpr))
+    assert sizes[24] == sizes[48], sizes
+    expected = jax.jit(jax.jacfwd(structure.nbody))(x)
+    for fn in (dl.materialise, lambda f, x: dl.materialise_operator(f, x).as_matrix()):
+        np.testing.assert_allclose(fn(structure.nbody, x), expected, rtol=1e-11, atol=1e-9)
+
+
+def test_fft_field_is_jacfwds_program():
+    """FFT, dense by nature: the transform of the identity leaves the walk nothing to
+    save, and the Jacobian is `jax.jacfwd`'s own program, without the check for its NaNs
+    or the branch recomputing them (no `cond`), NaN rows included."""
+    u = jnp.asarray(np.random.RandomState(0).rand(64))
+    for fn in (dl.materialise, lambda f, x: dl.materialise_operator(f, x).as_matrix()):
+        assert "cond" not in primitive_names(lambda x: fn(structure.fft_field, x), u)
+        np.testing.assert_allclose(
+            fn(structure.fft_field, u), jax.jacfwd(structure.fft_field)(u), rtol=0, atol=1e-10
+        )
+    # An infinite derivative makes the rest of its row NaN, as `jax.jacfwd` (eager) does.
+    u = u.at[5].set(jnp.inf)
+    got, expected = dl.materialise(structure.fft_field, u), jax.jacfwd(structure.fft_field)(u)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    assert np.isnan(np.delete(expected[5], 5)).all()
 
 
 # ---- idioms, one at a time ----------------------------------------------------------------
