@@ -202,9 +202,16 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
     **Arguments:**
 
-    - `max_order`: the order $q$ of the method once its history has filled, 1 to 5; 5
-        by default (scipy's and CVODE's largest). Orders 1 and 2
-        are A-stable; higher orders lose stability near the imaginary axis.
+    - `max_order`: the order $q$ of the method once its history has filled, 1 to 5; 3
+        by default. Orders 1 and 2 are A-stable; higher orders lose stability near the
+        imaginary axis, and, more to the point here, stability under changes of the
+        step size: scipy and CVODE change $h$ only after $q + 1$ steps of one size,
+        where Diffrax's controllers change it at every step. Orders 4 and 5 take fewer
+        steps at tight tolerances on smooth problems, but on Robertson's problem to
+        $t = 10^{10}$ with `rtol=1e-4` order 5 lets the small components drift below
+        zero, within `atol`, where the equations themselves blow up: use them with
+        tight tolerances. A [`diffrax_linearize.PredictiveController`][] with
+        `steady=(0.9, 1.5)`, which keeps $h$ through moderate changes, helps.
     - `ndf`: `True` (the default) for Shampine & Reichelt's NDF coefficients (as
         scipy's `BDF`), `False` for the plain BDF (as CVODE and `FBDF`).
     - `linear_solver`: the `lineax` solver that factors $I - c J$;
@@ -240,7 +247,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
     ```
     """
 
-    max_order: int = eqx.field(static=True, default=5)
+    max_order: int = eqx.field(static=True, default=3)
     ndf: bool = eqx.field(static=True, default=True)
     linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
     root_finder: optx.AbstractRootFinder = VeryChord()
