@@ -151,8 +151,8 @@ def test_jacobian_every_one_counts_every_step():
     assert steps <= int(st.num_factorisations) <= steps + 1
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_stiff_linear(reverse):
+@pytest.mark.parametrize("reverse, jump", [(False, False), (True, False), (False, True)])
+def test_stiff_linear(reverse, jump):
     M = np.array([[-1.0, 1.0, 0.0], [0.0, -100.0, 50.0], [0.0, 0.0, -1e4]])
     sign = -1.0 if reverse else 1.0
 
@@ -169,7 +169,10 @@ def test_stiff_linear(reverse):
         t1,
         sign * 1e-4,
         jnp.asarray(y0),
-        stepsize_controller=diffrax.PIDController(rtol=1e-7, atol=1e-10),
+        # A jump at t = 1 restarts the history there (`made_jump`: order 1 from y(1)).
+        stepsize_controller=diffrax.PIDController(
+            rtol=1e-7, atol=1e-10, jump_ts=[1.0] if jump else None
+        ),
         saveat=diffrax.SaveAt(t1=True, solver_state=True),
     )
     ref = scipy.linalg.expm(2.0 * M) @ y0

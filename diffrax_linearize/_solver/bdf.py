@@ -424,11 +424,12 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         made_jump = jnp.asarray(made_jump)
 
         # The history for this step size: after a jump, restart at order 1 from y0.
-        D, q, steps_at_order = jax.lax.cond(
-            made_jump,
-            lambda: (self._initial_D(flat0, g(t0, flat0)), jnp.array(1, jnp.int32), 0 * st.order),
-            lambda: (_rescale(st.D, st.order, h / st.h, K), st.order, st.steps_at_order),
+        # (A `where`, not a `cond`: both sides are cheap, and a `cond` copies D.)
+        D = jnp.where(
+            made_jump, self._initial_D(flat0, g(t0, flat0)), _rescale(st.D, st.order, h / st.h, K)
         )
+        q = jnp.where(made_jump, 1, st.order).astype(jnp.int32)
+        steps_at_order = jnp.where(made_jump, 0, st.steps_at_order).astype(jnp.int32)
         D = D.at[0].set(flat0)
         rows = jnp.arange(K + 2)[:, None]
         y_predict = jnp.sum(jnp.where(rows <= q, D, 0), axis=0)
