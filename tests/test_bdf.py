@@ -111,6 +111,41 @@ def test_rescale_matches_interpolation():
     np.testing.assert_array_equal(out[4:, 0], D[4:, 0])
 
 
+@eqx.filter_jit
+def _step_from(jacobian_field, y0, h):
+    """One step of the stiff linear field, with the Jacobian and factorisation of
+    `jacobian_field` carried in (the plain BDF: its first step is implicit Euler)."""
+    M = jnp.array([[-1.0, 1.0], [0.0, -1e4]])
+    solver = dl.BDF(ndf=False, root_finder=_TIGHT)
+    terms = diffrax.ODETerm(lambda t, y, args: M @ y)
+    state = solver.init(terms, 0.0, h, y0, None)
+    other = solver.init(diffrax.ODETerm(jacobian_field), 0.0, h, y0, None)
+    state = eqx.tree_at(
+        lambda s: (s.M_J, s.dM, s.factorisation), state, (other.M_J, other.dM, other.factorisation)
+    )
+    y1, _, _, new_state, result = solver.step(terms, 0.0, h, y0, None, state, False)
+    return y1, new_state, result
+
+
+def test_stale_jacobian_retried_inside_the_step():
+    """A step whose carried Jacobian is wrong (1e-8 times the right one: the chord
+    iteration on a stiff field with about I in place of I - c J diverges) evaluates a
+    fresh one and retries within the step, since Diffrax would discard a rejected step's
+    new state: it converges to the step made with the right Jacobian from the start, with
+    one Jacobian and one factorisation more."""
+    y0, h = jnp.array([1.0, 1.0]), jnp.asarray(1e-2)
+    M = jnp.array([[-1.0, 1.0], [0.0, -1e4]])
+    y_stale, st_stale, result = _step_from(lambda t, y, args: 1e-8 * (M @ y), y0, h)
+    y_fresh, st_fresh, _ = _step_from(lambda t, y, args: M @ y, y0, h)
+    assert result == diffrax.RESULTS.successful
+    np.testing.assert_allclose(y_stale, y_fresh, rtol=1e-10, atol=1e-14)
+    assert int(st_stale.num_jacobians) == 2 and int(st_fresh.num_jacobians) == 1
+    assert int(st_stale.num_factorisations) == 2 and int(st_fresh.num_factorisations) == 1
+    # Implicit Euler's step, so the comparison above is not two equal wrong answers.
+    expected = np.linalg.solve(np.eye(2) - float(h) * np.asarray(M), np.asarray(y0))
+    np.testing.assert_allclose(y_fresh, expected, rtol=1e-10)
+
+
 def _adaptive(solver, f, y0, t1, rtol, atol, dt0=1e-4, **kwargs):
     return diffrax.diffeqsolve(
         diffrax.ODETerm(f),
