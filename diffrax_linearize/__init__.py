@@ -32,6 +32,7 @@ from ._operators import (
     SparseLinearOperator as SparseLinearOperator,
 )
 from ._root_finder import Newton as Newton, VeryChord as VeryChord
+from ._solver.bdf import BDF as BDF, BDFState as BDFState
 from ._solver.implicit import (
     ImplicitEulerMaruyama as ImplicitEulerMaruyama,
     ImplicitItoMilstein as ImplicitItoMilstein,

@@ -1,0 +1,524 @@
+r"""A BDF/NDF solver for large stiff ODEs: the Jacobian and the factorisation of the Newton
+matrix are carried across steps, so that most steps make one or two linear solves with an
+old factorisation and no new Jacobian, as CVODE, scipy's `BDF` and OrdinaryDiffEq.jl's
+`FBDF` do.
+
+The design is scipy's (`scipy/integrate/_ivp/bdf.py`, after L. F. Shampine and M. W.
+Reichelt, *The MATLAB ODE suite*, SIAM J. Sci. Comput. 18, 1997): the history is the array
+of backward differences of the interpolating polynomial, rescaled when the step size
+changes; the corrector is solved by a chord iteration; the local error is estimated from
+the difference between the corrector and the predictor. The Jacobian comes from the
+structure engine and is factored by [`diffrax_linearize.StructuredLinearSolver`][], through
+the machinery of [`diffrax_linearize.ROS34PW2`][].
+"""
+
+from typing import Any, ClassVar
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.flatten_util as jfu
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import lineax as lx
+import numpy as np
+import optimistix as optx
+from diffrax import (
+    AbstractAdaptiveSolver,
+    AbstractImplicitSolver,
+    AbstractLocalInterpolation,
+    RESULTS,
+)
+
+from .._linear_solver import StructuredLinearSolver
+from .._materialise import solver_operator
+from .._root_finder import VeryChord
+from .rosenbrock import _affine, _check_ode
+
+
+_MAX_ORDER = 5
+# The NDF coefficients of Shampine & Reichelt (kappa = 0 is the BDF), as scipy's.
+_KAPPA = np.array([0.0, -0.1850, -1 / 9, -0.0823, -0.0415, 0.0])
+
+
+def _coefficients(ndf: bool):
+    kappa = _KAPPA if ndf else np.zeros_like(_KAPPA)
+    gamma = np.concatenate([[0.0], np.cumsum(1 / np.arange(1, _MAX_ORDER + 1))])
+    alpha = (1 - kappa) * gamma
+    error_const = kappa * gamma + 1 / np.arange(1, _MAX_ORDER + 2)
+    return gamma, alpha, error_const
+
+
+def _rescale_matrix(order: int, factor):
+    """scipy's `compute_R`, for the largest order: its leading `(q + 1, q + 1)` block is
+    the matrix for order `q` (the rows are cumulative products down the columns)."""
+    i = np.arange(1, order + 1)[:, None]
+    j = np.arange(1, order + 1)
+    m = (i - 1 - factor * j) / i
+    m = jnp.concatenate([jnp.ones((1, order), m.dtype), m], axis=0)
+    m = jnp.concatenate([jnp.ones((order + 1, 1), m.dtype), m], axis=1)
+    m = m.at[1:, 0].set(0.0).at[0].set(1.0)
+    return jnp.cumprod(m, axis=0)
+
+
+def _rescale(D, q, factor, max_order: int):
+    r"""scipy's `change_D`: the differences for step size $h$ to those for $\text{factor}
+    \cdot h$, of the polynomial of degree `q` (a traced order; rows above `q` are kept)."""
+    dtype = D.dtype
+    R = _rescale_matrix(max_order, factor.astype(dtype))
+    U = _rescale_matrix(max_order, jnp.ones((), dtype))
+    RU = R @ U
+    idx = jnp.arange(max_order + 1)
+    inside = (idx[:, None] <= q) & (idx[None, :] <= q)
+    RU = jnp.where(inside, RU, jnp.eye(max_order + 1, dtype=dtype))
+    return D.at[: max_order + 1].set(RU.T @ D[: max_order + 1])
+
+
+class BDFState(eqx.Module):
+    r"""The state a [`diffrax_linearize.BDF`][] solver carries between steps (read it with
+    `diffrax.SaveAt(solver_state=True)`).
+
+    **Arguments:**
+
+    - `D`: the backward differences of the interpolating polynomial, for the step size
+        `h`, flattened (rows `0` to `order + 1` used; row 0 is the state).
+    - `h`: the size of the last accepted step.
+    - `order`: the order of the next step; it rises from 1 to the solver's `order`
+        while the history fills.
+    - `steps_at_order`: the accepted steps made at `order`.
+    - `M_J`, `dM`: $M = I - c_J J$ and $-h_J J$ at the Jacobian's step, the structured
+        operators of [`diffrax_linearize.materialise_operator`][], so that
+        $I - c J = M_J + ((c - c_J)/h_J)\, dM$.
+    - `h_J`, `c_J`: the step size and the coefficient $c = h / \alpha_q$ of the
+        Jacobian; `c_W`: the coefficient of the factorisation.
+    - `factorisation`: the linear solver's state for $I - c_W J$.
+    - `jacobian_age`: the accepted steps since the Jacobian was evaluated.
+    - `slow`: whether the last step's chord iteration converged slowly (the next step
+        evaluates a new Jacobian).
+    - `rate`: the last estimated rate of convergence of the chord iteration (CVODE's
+        `crate`), 1 after a new factorisation.
+    - `num_jacobians`, `num_factorisations`, `num_newton_iterations`: the Jacobians,
+        factorisations and chord iterations (one linear solve and one evaluation of $f$
+        each) of the accepted steps and of `init`; a rejected step's state is discarded
+        by Diffrax, so its work is not counted.
+    """
+
+    D: Any
+    h: Any
+    order: Any
+    steps_at_order: Any
+    M_J: lx.AbstractLinearOperator
+    dM: lx.AbstractLinearOperator
+    h_J: Any
+    c_J: Any
+    c_W: Any
+    factorisation: Any
+    jacobian_age: Any
+    slow: Any
+    rate: Any
+    num_jacobians: Any
+    num_factorisations: Any
+    num_newton_iterations: Any
+
+
+class _BDFInterpolation(AbstractLocalInterpolation):
+    r"""The interpolating polynomial of the step's history, as scipy's `BdfDenseOutput`:
+    $y(t) = D_0 + \sum_{j=1}^{q} D_j \prod_{i=0}^{j-1} (t - t_1 + i h) / ((i + 1) h)$,
+    with the differences of the step (rows above its order zero)."""
+
+    t0: Any
+    t1: Any
+    y0: Any
+    D: Any  # flat, (max_order + 1, n)
+
+    def evaluate(self, t0, t1=None, left: bool = True):
+        del left
+        if t1 is not None:
+            return jtu.tree_map(lambda a, b: a - b, self.evaluate(t1), self.evaluate(t0))
+        _, unravel = jfu.ravel_pytree(self.y0)
+        dtype = self.D.dtype
+        with jax.numpy_dtype_promotion("standard"):
+            h = jnp.asarray(self.t1 - self.t0)
+            x = (t0 - self.t1 + h * np.arange(self.D.shape[0] - 1)) / (
+                h * (1 + np.arange(self.D.shape[0] - 1))
+            )
+            p = jnp.cumprod(x).astype(dtype)
+        return unravel(self.D[0] + p @ self.D[1:])
+
+
+class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
+    r"""A fixed-order BDF (or NDF) method for large stiff ODEs, which keeps its Jacobian
+    and the factorisation of its Newton matrix across steps: most steps evaluate no
+    Jacobian, factor nothing and make one or two linear solves, as CVODE, scipy's `BDF`
+    and OrdinaryDiffEq.jl's `FBDF` do. Against [`diffrax_linearize.ROS34PW2`][] (four
+    solves a step) and `diffrax.Kvaerno5` (a factorisation every step, five implicit
+    stages), it suits large systems whose Jacobian is expensive to evaluate or factor.
+
+    The step of order $q$ is scipy's (Shampine & Reichelt's NDF in backward-difference
+    form, with the differences $D$ rescaled when $h$ changes): predictor
+    $y^{(0)} = \sum_{j \le q} D_j$, corrector $y - y^{(0)} = c\,f(t_1, y) - \psi$ with
+    $c = h/\alpha_q$, $\psi = \sum_{j=1}^q \gamma_j D_j / \alpha_q$, solved by a chord
+    iteration with the factorisation of $I - c_W J$; the error estimate is
+    $(\kappa_q \gamma_q + 1/(q+1))\,(y - y^{(0)})$, of order $q + 1$.
+
+    - **Order:** fixed, `max_order` (1 to 5), so that Diffrax's step-size controller, which
+      takes one static order, sees the order of the error estimate it controls. The
+      first steps ramp up from order 1, one order after $q + 1$ steps at order $q$, as
+      the history fills (and again after a jump, `made_jump`); the controller then
+      assumes order `max_order` for estimates of a lower order, and reacts less than it
+      should: a few more steps and rejections at the start, never a wrong acceptance,
+      since a step is accepted only when the estimate is below the tolerance.
+    - **Jacobian and factorisation:** the Jacobian (from
+      [`diffrax_linearize.materialise_operator`][], block-diagonal, banded or sparse as
+      the vector field is; factored by `linear_solver`) is evaluated at the predictor
+      when `jacobian_every` steps have used the old one, after a step whose chord
+      iteration needed three iterations or more, after a jump, and when the chord
+      iteration fails with an old one: then the step is retried at once with a fresh
+      Jacobian (a `jax.lax.cond`), since Diffrax discards the state of a rejected step.
+      The factorisation of $I - c J$ is renewed when $c$ has changed by more than a
+      factor `refactor_ratio` since it was made; in between, the corrections are scaled
+      by $2 / (1 + c / c_W)$ as CVODE does. Under `jax.vmap` over initial conditions
+      the `cond`s become `select`s that run both branches: every step then pays for a
+      Jacobian and a factorisation.
+    - **Chord iteration:** at most `root_find_max_steps` iterations (4, scipy's); it
+      stops, as scipy's, when the estimated distance to the solution is below
+      $\max(10 \epsilon / \mathrm{rtol}, \min(\kappa, \sqrt{\mathrm{rtol}}))$ in the
+      `norm` of the scaled error, or fails when it diverges or will not converge in
+      time; the first iteration may stop alone with the previous step's rate (CVODE's
+      test). `rtol`, `atol`, `norm` and `kappa` are those of `root_finder`, whose
+      tolerances `diffrax.diffeqsolve` takes from the step-size controller, as for
+      Diffrax's implicit solvers; the iteration itself is this solver's, with its own
+      factorisation. When it fails the step returns an infinite error estimate: an
+      adaptive controller rejects the step; with a constant step size the solve stops
+      with `diffrax.RESULTS.nonlinear_divergence`.
+    - **Interpolation:** the step's interpolating polynomial (scipy's `BdfDenseOutput`),
+      of degree $q$.
+
+    For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
+    float32 or float64 (flattened with `jax.flatten_util.ravel_pytree`; a single array
+    keeps its Jacobian's structure). Use it with `diffrax.PIDController` or
+    [`diffrax_linearize.PredictiveController`][]; with a constant step size, pass
+    `root_finder=diffrax_linearize.VeryChord(rtol=..., atol=..., norm=...)`.
+
+    **Arguments:**
+
+    - `max_order`: the order $q$ of the method once its history has filled, 1 to 5; 3
+        by default. Orders 1 and 2 are A-stable; higher orders lose stability near the
+        imaginary axis, and, more to the point here, stability under changes of the
+        step size: scipy and CVODE change $h$ only after $q + 1$ steps of one size,
+        where Diffrax's controllers change it at every step. Orders 4 and 5 take fewer
+        steps at tight tolerances on smooth problems, but on Robertson's problem to
+        $t = 10^{10}$ with `rtol=1e-4` order 5 lets the small components drift below
+        zero, within `atol`, where the equations themselves blow up: use them with
+        tight tolerances. A [`diffrax_linearize.PredictiveController`][] with
+        `steady=(0.9, 1.5)`, which keeps $h$ through moderate changes, helps.
+    - `ndf`: `True` (the default) for Shampine & Reichelt's NDF coefficients (as
+        scipy's `BDF`), `False` for the plain BDF (as CVODE and `FBDF`).
+    - `linear_solver`: the `lineax` solver that factors $I - c J$;
+        [`diffrax_linearize.StructuredLinearSolver`][] by default.
+    - `root_finder`: carries the tolerances and `kappa` of the chord iteration;
+        [`diffrax_linearize.VeryChord`][]`()` by default.
+    - `root_find_max_steps`: the most chord iterations per attempt; 4 by default.
+    - `jacobian_every`: the most steps one Jacobian serves; 20 by default (as
+        [`diffrax_linearize.ROS34PW2`][]).
+    - `refactor_ratio`: the factor by which $c = h / \alpha_q$ may change before the
+        Newton matrix is refactored; 1.3 by default (CVODE's 30%).
+
+    ```python
+    import diffrax
+    import jax.numpy as jnp
+    import diffrax_linearize as dl
+
+    def robertson(t, y, args):
+        y1, y2, y3 = y
+        return jnp.stack([
+            -0.04 * y1 + 1e4 * y2 * y3,
+            0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2,
+            3e7 * y2**2,
+        ])
+
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(robertson), dl.BDF(), t0=0.0, t1=100.0, dt0=1e-4,
+        y0=jnp.array([1.0, 0.0, 0.0]),
+        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-10),
+        saveat=diffrax.SaveAt(t1=True, solver_state=True),
+    )
+    sol.solver_state.num_jacobians  # far fewer than sol.stats["num_steps"]
+    ```
+    """
+
+    max_order: int = eqx.field(static=True, default=3)
+    ndf: bool = eqx.field(static=True, default=True)
+    linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
+    root_finder: optx.AbstractRootFinder = VeryChord()
+    root_find_max_steps: int = eqx.field(static=True, default=4)
+    jacobian_every: int = eqx.field(static=True, default=20)
+    refactor_ratio: float = 1.3
+
+    term_structure: ClassVar = diffrax.AbstractTerm
+    interpolation_cls: ClassVar = _BDFInterpolation
+
+    def __check_init__(self):
+        name = f"diffrax_linearize.{type(self).__name__}"
+        if not (isinstance(self.max_order, int) and 1 <= self.max_order <= _MAX_ORDER):
+            raise ValueError(f"`{name}(max_order=...)` must be 1 to 5, not {self.max_order!r}.")
+        if not (isinstance(self.jacobian_every, int) and self.jacobian_every >= 1):
+            raise ValueError(
+                f"`{name}(jacobian_every=...)` must be an integer of at least 1, not "
+                f"{self.jacobian_every!r}."
+            )
+        if not (isinstance(self.root_find_max_steps, int) and self.root_find_max_steps >= 1):
+            raise ValueError(
+                f"`{name}(root_find_max_steps=...)` must be an integer of at least 1, not "
+                f"{self.root_find_max_steps!r}."
+            )
+        if not self.refactor_ratio > 1:
+            raise ValueError(
+                f"`{name}(refactor_ratio=...)` must be greater than 1, not {self.refactor_ratio!r}."
+            )
+        for attr in ("rtol", "atol", "norm", "kappa"):
+            if not hasattr(self.root_finder, attr):
+                raise ValueError(
+                    f"`{name}(root_finder=...)` carries the chord iteration's tolerances: "
+                    f"pass a `diffrax_linearize.VeryChord` (it has no `{attr}`)."
+                )
+
+    def order(self, terms):
+        return self.max_order
+
+    # Diffrax's default assumes an embedded pair (the estimate's order is the method's);
+    # the BDF's estimate is its local error, one order higher, and the controller's
+    # exponent must be 1/(q + 1) as scipy's.
+    def error_order(self, terms):
+        return self.max_order + 1
+
+    def func(self, terms, t0, y0, args):
+        return terms.vf(t0, y0, args)
+
+    def _increment(self, terms, t0, t1, y0, args):
+        flat0, unravel = jfu.ravel_pytree(y0)
+        dtype = flat0.dtype
+        control = terms.contr(t0, t1)
+
+        # As `AbstractRosenbrockW`: the increment g = f dt, through `vf_prod`, so that a
+        # reversed-time solve's `diffrax.WrapTerm` is handled as Diffrax does.
+        def g(t, flat):
+            out = terms.vf_prod(t, unravel(flat), args, control)
+            out_flat, _ = jfu.ravel_pytree(out)
+            return out_flat.astype(dtype)
+
+        return flat0, unravel, dtype, g
+
+    def _jacobian(self, g, t, y, s):
+        # I - s dg/dy = I - s h J as one materialised operator (the structure engine sees
+        # the identity, so it keeps J's pattern with its diagonal); affine in s, so its
+        # derivative -h J in the same structure is one forward-mode pass.
+        def M_of(s_):
+            return solver_operator(lambda z, _: z - s_ * g(t, z), y, None)
+
+        return eqx.filter_jvp(M_of, (s,), (jnp.ones_like(s),))
+
+    def _factor(self, M):
+        return jtu.tree_map(jax.lax.stop_gradient, self.linear_solver.init(M, {}))
+
+    def _initial_D(self, flat0, g0):
+        n = flat0.shape[0]
+        D = jnp.zeros((self.max_order + 2, n), flat0.dtype)
+        return D.at[0].set(flat0).at[1].set(g0)
+
+    def init(self, terms, t0, t1, y0, args):
+        _check_ode(self, terms, t0, t1)
+        t0 = jnp.asarray(t0)
+        flat0, _, dtype, g = self._increment(terms, t0, t1, y0, args)
+        h = (jnp.asarray(t1) - t0).astype(dtype)
+        _, alpha, _ = _coefficients(self.ndf)
+        c = h / alpha[1]
+        M_J, dM = self._jacobian(g, t0, flat0, jnp.asarray(1 / alpha[1], dtype))
+        zero = jnp.array(0, jnp.int32)
+        one = jnp.array(1, jnp.int32)
+        return BDFState(
+            D=self._initial_D(flat0, g(t0, flat0)),
+            h=h,
+            order=one,
+            steps_at_order=zero,
+            M_J=M_J,
+            dM=dM,
+            h_J=h,
+            c_J=c,
+            c_W=c,
+            factorisation=self._factor(M_J),
+            jacobian_age=zero,
+            slow=jnp.array(False),
+            rate=jnp.ones((), dtype),
+            num_jacobians=one,
+            num_factorisations=one,
+            num_newton_iterations=zero,
+        )
+
+    def _chord(self, g, t1, y_predict, psi, alpha_q, solve, c, c_W, rate0, scale):
+        """The chord iteration on the corrector, as scipy's `solve_bdf_system` (with
+        CVODE's first-iteration test from the previous rate). Returns whether it
+        converged, the iterations, the corrector and its difference from the
+        predictor, and the last rate."""
+        dtype = y_predict.dtype
+        norm = self.root_finder.norm
+        rtol = self.root_finder.rtol
+        eps = float(jnp.finfo(dtype).eps)
+        with jax.numpy_dtype_promotion("standard"):
+            tol = jnp.maximum(10 * eps / rtol, jnp.minimum(self.root_finder.kappa, rtol**0.5))
+            tol = jnp.asarray(tol).astype(dtype)
+            # With the matrix of c_W for a step of c: the best single scale between the
+            # stiff limit (c_W / c) and the non-stiff one (1), as CVODE's 2 / (1 + gamrat).
+            boost = (2 / (1 + c / c_W)).astype(dtype)
+        max_steps = self.root_find_max_steps
+
+        def cond(carry):
+            k, _, _, _, _, converged, failed = carry
+            return (k < max_steps) & ~converged & ~failed
+
+        def body(carry):
+            k, y, d, dy_norm_old, rate, converged, failed = carry
+            f = g(t1, y) / alpha_q
+            finite = jnp.all(jnp.isfinite(f))
+            sol = solve(f - psi - d)
+            dy = boost * sol.value
+            dy_norm = norm(dy / scale).astype(dtype)
+            first = k == 0
+            new_rate = jnp.where(first, rate, dy_norm / dy_norm_old)
+            remaining = (max_steps - k).astype(dtype)
+            diverging = ~first & (
+                (new_rate >= 1) | (new_rate**remaining / (1 - new_rate) * dy_norm > tol)
+            )
+            bad = ~finite | ~jnp.all(jnp.isfinite(dy)) | diverging
+            bad = bad | (sol.result != lx.RESULTS.successful)
+            y = jnp.where(bad, y, y + dy)
+            d = jnp.where(bad, d, d + dy)
+            r = jnp.minimum(new_rate, 1 - 1e-3)
+            done = (dy_norm == 0) | jnp.where(
+                first, dy_norm * jnp.minimum(rate, 1) < tol, r / (1 - r) * dy_norm < tol
+            )
+            converged = ~bad & done
+            return k + 1, y, d, dy_norm, new_rate, converged, bad
+
+        zero = jnp.zeros((), dtype)
+        init = (
+            jnp.array(0, jnp.int32),
+            y_predict,
+            jnp.zeros_like(y_predict),
+            zero,
+            rate0,
+            jnp.array(False),
+            jnp.array(False),
+        )
+        k, y, d, _, rate, converged, _ = jax.lax.while_loop(cond, body, init)
+        return converged, k, y, d, rate
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        _check_ode(self, terms, t0, t1)
+        st = solver_state
+        K = self.max_order
+        t0 = jnp.asarray(t0)
+        flat0, unravel, dtype, g = self._increment(terms, t0, t1, y0, args)
+        h = (jnp.asarray(t1) - t0).astype(dtype)
+        gamma, alpha, error_const = (jnp.asarray(a, dtype) for a in _coefficients(self.ndf))
+        made_jump = jnp.asarray(made_jump)
+
+        # The history for this step size: after a jump, restart at order 1 from y0.
+        # (A `where`, not a `cond`: both sides are cheap, and a `cond` copies D.)
+        D = jnp.where(
+            made_jump, self._initial_D(flat0, g(t0, flat0)), _rescale(st.D, st.order, h / st.h, K)
+        )
+        q = jnp.where(made_jump, 1, st.order).astype(jnp.int32)
+        steps_at_order = jnp.where(made_jump, 0, st.steps_at_order).astype(jnp.int32)
+        D = D.at[0].set(flat0)
+        rows = jnp.arange(K + 2)[:, None]
+        y_predict = jnp.sum(jnp.where(rows <= q, D, 0), axis=0)
+        alpha_q = alpha[q]
+        gamma_rows = jnp.where(
+            (rows[:, 0] >= 1) & (rows[:, 0] <= q), gamma[jnp.minimum(rows[:, 0], K)], 0
+        )
+        psi = gamma_rows @ D / alpha_q
+        c = h / alpha_q
+        rtol, atol = self.root_finder.rtol, self.root_finder.atol
+        with jax.numpy_dtype_promotion("standard"):
+            scale = (atol + rtol * jnp.abs(y_predict)).astype(dtype)
+
+        def fresh_jacobian():
+            M_J, dM = self._jacobian(g, t1, y_predict, 1 / alpha_q)
+            return M_J, dM, h, c
+
+        refresh = made_jump | st.slow | (st.jacobian_age >= self.jacobian_every)
+        M_J, dM, h_J, c_J = jax.lax.cond(
+            refresh, fresh_jacobian, lambda: (st.M_J, st.dM, st.h_J, st.c_J)
+        )
+        ratio = c / st.c_W
+        refactor = refresh | (ratio > self.refactor_ratio) | (ratio < 1 / self.refactor_ratio)
+
+        def operator(M_J, dM, h_J, c_J, c_W):
+            return _affine(M_J, dM, (c_W - c_J) / h_J)
+
+        c_W, factorisation = jax.lax.cond(
+            refactor,
+            lambda: (c, self._factor(operator(M_J, dM, h_J, c_J, c))),
+            lambda: (st.c_W, st.factorisation),
+        )
+        rate0 = jnp.where(refactor, jnp.ones((), dtype), st.rate)
+
+        def attempt(M_J, dM, h_J, c_J, c_W, factorisation, rate0):
+            M = operator(M_J, dM, h_J, c_J, c_W)
+
+            def solve(b):
+                return lx.linear_solve(M, b, self.linear_solver, state=factorisation, throw=False)
+
+            return self._chord(g, t1, y_predict, psi, alpha_q, solve, c, c_W, rate0, scale)
+
+        first = attempt(M_J, dM, h_J, c_J, c_W, factorisation, rate0)
+        # A failure with an old Jacobian is retried here with a new one: Diffrax would
+        # discard a new Jacobian made by a rejected step, with that step's state.
+        retry = ~first[0] & ~refresh
+
+        def again():
+            M_J, dM, h_J, c_J = fresh_jacobian()
+            factorisation = self._factor(operator(M_J, dM, h_J, c_J, c))
+            one = jnp.ones((), dtype)
+            out = attempt(M_J, dM, h_J, c_J, c, factorisation, one)
+            return (M_J, dM, h_J, c_J, c, factorisation), out
+
+        (M_J, dM, h_J, c_J, c_W, factorisation), (converged, iters, y1, d, rate) = jax.lax.cond(
+            retry, again, lambda: ((M_J, dM, h_J, c_J, c_W, factorisation), first)
+        )
+        iters = iters + jnp.where(retry, first[1], 0)
+
+        error = error_const[q] * d
+        error = jnp.where(converged, error, jnp.inf)
+        result = RESULTS.where(converged, RESULTS.successful, RESULTS.nonlinear_divergence)
+
+        # The differences of the new polynomial (scipy's update): D_{q+1} = d and
+        # D_i += D_{i+1} for i = q, ..., 0, that is D_i + ... + D_q + d.
+        masked = jnp.where(rows <= q, D, 0)
+        suffix = jnp.cumsum(masked[::-1], axis=0)[::-1] + d
+        D_new = jnp.where(rows <= q, suffix, jnp.where(rows == q + 1, d, D))
+        D_new = D_new.at[0].set(y1)
+        steps_at_order = steps_at_order + 1
+        raise_order = (steps_at_order >= q + 1) & (q < K)
+        new_state = BDFState(
+            D=D_new,
+            h=h,
+            order=jnp.where(raise_order, q + 1, q).astype(jnp.int32),
+            steps_at_order=jnp.where(raise_order, 0, steps_at_order).astype(jnp.int32),
+            M_J=M_J,
+            dM=dM,
+            h_J=h_J,
+            c_J=c_J,
+            c_W=c_W,
+            factorisation=factorisation,
+            jacobian_age=jnp.where(refresh | retry, 1, st.jacobian_age + 1).astype(jnp.int32),
+            slow=iters >= 3,
+            rate=rate,
+            num_jacobians=st.num_jacobians + (refresh | retry).astype(jnp.int32),
+            num_factorisations=st.num_factorisations + (refactor | retry).astype(jnp.int32),
+            num_newton_iterations=st.num_newton_iterations + iters,
+        )
+        dense_D = jnp.where(rows[: K + 1] <= q, D_new[: K + 1], 0)
+        dense_info = dict(y0=y0, D=dense_D)
+        return unravel(y1), unravel(error), dense_info, new_state, result

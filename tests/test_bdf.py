@@ -1,0 +1,308 @@
+import diffrax
+import diffrax_linearize as dl
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optimistix as optx
+import pytest
+import scipy.integrate
+import scipy.linalg
+from diffrax_linearize._solver.bdf import _rescale
+from helpers import assert_vmap_matches_jit
+from test_rosenbrock import _robertson, _robertson_ref, _Y0
+from test_wmethod import _pendulum, _pendulum_ref
+
+
+# Tight chord tolerances, for the fixed-step tests: the iteration's error must not hide
+# the method's.
+_TIGHT = dl.VeryChord(rtol=1e-13, atol=1e-14, norm=optx.rms_norm)
+
+
+def _pendulum_states(ts, y0):
+    def f(t, y):
+        return [y[1], -np.sin(y[0]) - 0.1 * y[1] + 0.2 * np.cos(t)]
+
+    sol = scipy.integrate.solve_ivp(
+        f, (0, ts[-1]), y0, method="DOP853", t_eval=ts, rtol=1e-13, atol=1e-15
+    )
+    return sol.y.T
+
+
+def _backward_differences(values):
+    """scipy's `D`: row j the j-th backward difference at the last of `values`."""
+    rows, v = [], np.asarray(values)
+    for _ in range(len(values)):
+        rows.append(v[-1])
+        v = v[1:] - v[:-1]
+    return np.stack(rows)
+
+
+@eqx.filter_jit
+def _one_step(k, ndf, t0, h, D):
+    """One step of order `k` from the history `D` at t0, of size h."""
+    solver = dl.BDF(max_order=k, ndf=ndf, root_finder=_TIGHT, root_find_max_steps=20)
+    terms = diffrax.ODETerm(_pendulum)
+    state = solver.init(terms, t0, t0 + h, D[0], None)
+    state = eqx.tree_at(lambda s: (s.D, s.h, s.order), state, (D, h, jnp.array(k, jnp.int32)))
+    y1, _, _, _, result = solver.step(terms, t0, t0 + h, D[0], None, state, False)
+    return y1, result
+
+
+def _local_error(k, h, ndf, t0=3.0):
+    """One step of order `k` from the exact history at t0 - k h, ..., t0, against the
+    exact solution at t0 + h."""
+    y0 = np.array([1.0, 0.0])
+    ts = np.concatenate([[0.0], t0 + h * np.arange(-k, 2)])
+    exact = _pendulum_states(ts, y0)[1:]
+    D = np.zeros((k + 2, 2))
+    D[: k + 1] = _backward_differences(exact[: k + 1])
+    y1, result = _one_step(k, ndf, jnp.asarray(t0), jnp.asarray(h), jnp.asarray(D))
+    assert result == diffrax.RESULTS.successful
+    return np.max(np.abs(np.asarray(y1) - exact[k + 1]))
+
+
+@pytest.mark.parametrize(
+    "k, ndf", [(1, True), (2, True), (3, True), (4, True), (5, True), (3, False)]
+)
+def test_local_order(k, ndf):
+    """From an exact history, one step of order k has a local error of order k + 1 (this
+    checks the predictor, the corrector and the NDF coefficients at each order; the
+    fitted slopes of the NDF were 2.05, 2.94, 4.15, 5.05, 5.90 when written)."""
+    hs = 0.2 * 2.0 ** -np.arange(4)
+    errs = [_local_error(k, h, ndf) for h in hs]
+    slope = np.polyfit(np.log(hs), np.log(errs), 1)[0]
+    assert abs(slope - (k + 1)) < 0.3, (k, slope, errs)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fixed_step_order(k):
+    """The whole method with constant steps, from its start at order 1: global order k
+    (0.99 and 1.99 when written). For orders above 2 the steps of order 1 at the start
+    make the global error of a constant-step solve O(h^2), as for any self-starting
+    variable-order code; the local test above covers those orders."""
+    t1 = 5.0
+    y0 = np.array([1.0, 0.0])
+    ref = _pendulum_ref(t1, y0)
+    ns = (20, 40, 80, 160)
+    solver = dl.BDF(max_order=k, root_finder=_TIGHT, root_find_max_steps=20)
+    errs = []
+    for n in ns:
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(_pendulum), solver, 0.0, t1, jnp.asarray(t1 / n), jnp.asarray(y0)
+        )
+        errs.append(np.max(np.abs(np.asarray(sol.ys[-1]) - ref)))
+    slope = -np.polyfit(np.log(ns), np.log(errs), 1)[0]
+    assert abs(slope - k) < 0.3, (slope, errs)
+
+
+def test_rescale_matches_interpolation():
+    """The differences rescaled for a new step size are those of the same polynomial at
+    the new spacing (scipy's `change_D`, checked on a cubic with order 3 and rows above
+    it kept)."""
+    p = np.polynomial.Polynomial([0.3, -1.0, 0.5, 2.0])
+    h, factor = 0.1, 0.37
+    D = np.zeros((7, 1))
+    D[:4, 0] = _backward_differences(p(h * np.arange(-3, 1)))
+    D[4:, 0] = [5.0, 6.0, 7.0]
+    out = _rescale(jnp.asarray(D), jnp.array(3), jnp.asarray(factor), 5)
+    expected = _backward_differences(p(factor * h * np.arange(-3, 1)))
+    np.testing.assert_allclose(out[:4, 0], expected, rtol=1e-12, atol=1e-14)
+    np.testing.assert_array_equal(out[4:, 0], D[4:, 0])
+
+
+@eqx.filter_jit
+def _step_from(jacobian_field, y0, h):
+    """One step of the stiff linear field, with the Jacobian and factorisation of
+    `jacobian_field` carried in (the plain BDF: its first step is implicit Euler)."""
+    M = jnp.array([[-1.0, 1.0], [0.0, -1e4]])
+    solver = dl.BDF(ndf=False, root_finder=_TIGHT)
+    terms = diffrax.ODETerm(lambda t, y, args: M @ y)
+    state = solver.init(terms, 0.0, h, y0, None)
+    other = solver.init(diffrax.ODETerm(jacobian_field), 0.0, h, y0, None)
+    state = eqx.tree_at(
+        lambda s: (s.M_J, s.dM, s.factorisation), state, (other.M_J, other.dM, other.factorisation)
+    )
+    y1, _, _, new_state, result = solver.step(terms, 0.0, h, y0, None, state, False)
+    return y1, new_state, result
+
+
+def test_stale_jacobian_retried_inside_the_step():
+    """A step whose carried Jacobian is wrong (1e-8 times the right one: the chord
+    iteration on a stiff field with about I in place of I - c J diverges) evaluates a
+    fresh one and retries within the step, since Diffrax would discard a rejected step's
+    new state: it converges to the step made with the right Jacobian from the start, with
+    one Jacobian and one factorisation more."""
+    y0, h = jnp.array([1.0, 1.0]), jnp.asarray(1e-2)
+    M = jnp.array([[-1.0, 1.0], [0.0, -1e4]])
+    y_stale, st_stale, result = _step_from(lambda t, y, args: 1e-8 * (M @ y), y0, h)
+    y_fresh, st_fresh, _ = _step_from(lambda t, y, args: M @ y, y0, h)
+    assert result == diffrax.RESULTS.successful
+    np.testing.assert_allclose(y_stale, y_fresh, rtol=1e-10, atol=1e-14)
+    assert int(st_stale.num_jacobians) == 2 and int(st_fresh.num_jacobians) == 1
+    assert int(st_stale.num_factorisations) == 2 and int(st_fresh.num_factorisations) == 1
+    # Implicit Euler's step, so the comparison above is not two equal wrong answers.
+    expected = np.linalg.solve(np.eye(2) - float(h) * np.asarray(M), np.asarray(y0))
+    np.testing.assert_allclose(y_fresh, expected, rtol=1e-10)
+
+
+def _adaptive(solver, f, y0, t1, rtol, atol, dt0=1e-4, **kwargs):
+    return diffrax.diffeqsolve(
+        diffrax.ODETerm(f),
+        solver,
+        0.0,
+        t1,
+        dt0,
+        y0,
+        stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
+        max_steps=10_000,
+        **{"saveat": diffrax.SaveAt(t1=True, solver_state=True), **kwargs},
+    )
+
+
+def test_robertson_adaptive_reuses_jacobian():
+    rtol, atol = 1e-6, 1e-10
+    sol = _adaptive(dl.BDF(), _robertson, jnp.asarray(_Y0), 100.0, rtol, atol)
+    assert sol.result == diffrax.RESULTS.successful
+    np.testing.assert_allclose(sol.ys[-1], _robertson_ref(100.0), rtol=20 * rtol, atol=10 * atol)
+    steps = int(sol.stats["num_accepted_steps"])
+    st = sol.solver_state
+    n_jac, n_fac = int(st.num_jacobians), int(st.num_factorisations)
+    # One Jacobian serves many steps, one factorisation several, and most steps make one
+    # or two chord iterations (172 steps, 22 Jacobians, 59 factorisations and 267
+    # iterations when written).
+    assert 1 <= n_jac < steps / 4, (n_jac, steps)
+    assert n_jac <= n_fac < steps / 2, (n_fac, steps)
+    assert int(st.num_newton_iterations) < 2 * steps, (int(st.num_newton_iterations), steps)
+
+
+def test_jacobian_every_one_counts_every_step():
+    sol = _adaptive(dl.BDF(jacobian_every=1), _robertson, jnp.asarray(_Y0), 1.0, 1e-5, 1e-9)
+    # One in `init`, then one in every accepted step but the first (at its predictor),
+    # each refactored; the first step refactors only if rejections changed its size.
+    st = sol.solver_state
+    steps = int(sol.stats["num_accepted_steps"])
+    assert int(st.num_jacobians) == steps
+    assert steps <= int(st.num_factorisations) <= steps + 1
+
+
+@pytest.mark.parametrize("reverse, jump", [(False, False), (True, False), (False, True)])
+def test_stiff_linear(reverse, jump):
+    M = np.array([[-1.0, 1.0, 0.0], [0.0, -100.0, 50.0], [0.0, 0.0, -1e4]])
+    sign = -1.0 if reverse else 1.0
+
+    def f(t, y, args):
+        return sign * (jnp.asarray(M) @ y)
+
+    # Backwards in time from 0 to -2 for `sign * M`: the same solution as forwards.
+    y0 = np.array([1.0, 1.0, 1.0])
+    t1 = -2.0 if reverse else 2.0
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(f),
+        dl.BDF(),
+        0.0,
+        t1,
+        sign * 1e-4,
+        jnp.asarray(y0),
+        # A jump at t = 1 restarts the history there (`made_jump`: order 1 from y(1)).
+        stepsize_controller=diffrax.PIDController(
+            rtol=1e-7, atol=1e-10, jump_ts=[1.0] if jump else None
+        ),
+        saveat=diffrax.SaveAt(t1=True, solver_state=True),
+    )
+    ref = scipy.linalg.expm(2.0 * M) @ y0
+    np.testing.assert_allclose(sol.ys[-1], ref, rtol=1e-5, atol=1e-9)
+    # A linear problem's Jacobian never changes: only `jacobian_every` renews it (and the
+    # first steps, whose chord iterations are slow with the first Jacobian's factor).
+    assert int(sol.solver_state.num_jacobians) < int(sol.stats["num_accepted_steps"]) / 5
+
+
+def test_dense_output():
+    """`SaveAt(ts=...)` reads the steps' interpolating polynomials: against DOP853 at
+    points inside steps, to within the tolerance (a linear interpolant is off by 1e-3
+    here)."""
+    y0 = np.array([1.0, 0.0])
+    ts = np.linspace(0.05, 4.95, 37)
+    sol = _adaptive(
+        dl.BDF(), _pendulum, jnp.asarray(y0), 5.0, 1e-8, 1e-10, saveat=diffrax.SaveAt(ts=ts)
+    )
+    assert int(sol.stats["num_accepted_steps"]) < len(ts) * 10  # so most ts are inside steps
+    np.testing.assert_allclose(sol.ys, _pendulum_states(ts, y0), atol=1e-6)
+
+
+def test_pytree_state():
+    def f(t, y, args):
+        a, b = y["a"], y["b"]
+        return {"a": -a + b, "b": -(10 * b) + a}
+
+    y0 = {"a": jnp.array(1.0), "b": jnp.array(0.5)}
+    sol = _adaptive(dl.BDF(), f, y0, 1.0, 1e-8, 1e-10, dt0=0.05)
+    M = np.array([[-1.0, 1.0], [1.0, -10.0]])
+    ref = scipy.linalg.expm(M) @ np.array([1.0, 0.5])
+    np.testing.assert_allclose(sol.ys["a"][-1], ref[0], rtol=1e-6)
+    np.testing.assert_allclose(sol.ys["b"][-1], ref[1], rtol=1e-6)
+
+
+def _solve_small(y0, k):
+    def f(t, y, args):
+        return jnp.stack([-args * y[0] ** 3 + y[1], -50.0 * y[1] + jnp.sin(y[0])])
+
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(f),
+        dl.BDF(),
+        0.0,
+        1.0,
+        0.01,
+        y0,
+        args=k,
+        stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-10),
+    )
+    return sol.ys[-1]
+
+
+@pytest.mark.slow  # two compilations: ~10 s on 2 cores
+def test_jit_vmap():
+    assert_vmap_matches_jit(_solve_small, jnp.array([[1.0, 0.5], [0.3, -0.2]]), 2.0, rtol=1e-9)
+
+
+@pytest.mark.slow  # ~6 s of compilation; the default suite is held under 10 minutes
+def test_float32():
+    with jax.enable_x64(False):
+        sol = _adaptive(dl.BDF(), _robertson, jnp.asarray(_Y0, jnp.float32), 100.0, 1e-4, 1e-7)
+        assert sol.ys.dtype == jnp.float32
+    assert sol.result == diffrax.RESULTS.successful
+    np.testing.assert_allclose(sol.ys[-1], _robertson_ref(100.0), rtol=1e-2, atol=1e-6)
+
+
+def test_sde_error():
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=1e-3, shape=(), key=jax.random.key(0))
+    terms = diffrax.MultiTerm(
+        diffrax.ODETerm(lambda t, y, args: -y),
+        diffrax.ControlTerm(lambda t, y, args: 0.1 * y, bm),
+    )
+    with pytest.raises(TypeError, match="diffrax_linearize.BDF"):
+        diffrax.diffeqsolve(
+            terms,
+            dl.BDF(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.array(1.0),
+            stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-6),
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_order=0),
+        dict(max_order=6),
+        dict(jacobian_every=0),
+        dict(refactor_ratio=1.0),
+        dict(root_find_max_steps=0),
+        dict(root_finder=optx.Bisection(rtol=1e-3, atol=1e-6)),
+    ],
+)
+def test_bad_fields(kwargs):
+    with pytest.raises(ValueError, match="diffrax_linearize.BDF"):
+        dl.BDF(**kwargs)
