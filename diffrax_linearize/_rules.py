@@ -14,7 +14,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compat import bind_eqn, prim
+from ._compat import bind_eqn, is_tracer, prim
 from ._interpreter import (
     call_jaxpr,
     Context,
@@ -160,6 +160,11 @@ def _const_labels(c, block: Struct):
 
 
 def _const_array(c):
+    if isinstance(c, jax.Array) and c.size == 1 and not is_tracer(c):
+        # A scalar the linearisation keeps as a concrete array (the `2e-5` of
+        # `2e-5 * lap(u)`): as a NumPy one, a product with a block known at trace time
+        # stays known (see `split_of`).
+        return np.asarray(c)
     return c if isinstance(c, np.ndarray) or hasattr(c, "shape") else np.asarray(c)
 
 
