@@ -23,6 +23,7 @@ from ._compat import (
     is_tracer,
     literal_value,
     prim,
+    scan_counts,
     used_inputs,
 )
 from ._sparsity import to_dense
@@ -613,6 +614,14 @@ def _constant_terms(jaxpr, linear, carrying):
             if found is None:
                 return None
             out_carry = found
+        elif eqn.primitive is prim("scan"):
+            is_zero = [
+                _is_zero_literal(v) or (not is_literal(v) and v in zeros) for v in eqn.invars
+            ]
+            found = _scan_constant_terms(eqn, is_lin, in_carry, is_zero)
+            if found is None:
+                return None
+            out_carry = found
         elif (
             (constants or carries)
             and eqn.primitive not in preserving  # a scatter's `update_jaxpr` is no branch
@@ -642,6 +651,41 @@ def _constant_terms(jaxpr, linear, carrying):
         zero_term.update(v for v, c in zip(eqn.outvars, out_carry) if c)
         depends.update(v for v, d in zip(eqn.outvars, _depending_outputs(eqn, is_lin)) if d)
     return [not is_literal(v) and v in zero_term for v in jaxpr.outvars]
+
+
+def _scan_constant_terms(eqn, is_lin, in_carry, is_zero):
+    """`_constant_terms` of a `scan` equation: its body walked with each carry linear (or
+    carrying a zero term) where its initial value is or the body makes it so, to a fixed
+    point. A carry that the body makes linear from a constant initial value counts where
+    that value is not zero (a constant summand) and carries a zero term where it is (the
+    tangent of a carry that starts at a constant). (A scan's primal inputs are constants
+    of the JVP program: without this, every `scan` would count, and a `lax.scan` over
+    cells would pay two more loops.) `is_zero`: whether each input is a known zero."""
+    n_consts, n_carry = scan_counts(eqn.params)
+    body = eqn.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    out_lin = _depending_outputs(eqn, is_lin)
+    lin = list(is_lin)
+    carrying = list(in_carry)
+    for k in range(n_carry):
+        i = n_consts + k
+        if out_lin[k] and not is_lin[i]:
+            if not jnp.issubdtype(eqn.invars[i].aval.dtype, jnp.inexact):
+                continue
+            if not is_zero[i]:
+                return None
+            lin[i] = carrying[i] = True
+    for _ in range(n_carry + 1):
+        found = _constant_terms(body, lin, carrying)
+        if found is None:
+            return None
+        grown = False
+        for k in range(n_carry):
+            if found[k] and not carrying[n_consts + k]:
+                carrying[n_consts + k] = grown = True
+        if not grown:
+            return found
+    return None
 
 
 def jvp_may_add_constants(fn: Callable, args) -> bool:
