@@ -566,8 +566,9 @@ def may_add_constants(jaxpr, linear) -> bool:
     whatever the vector. A term that is zero when traced (the zeros `segment_sum` adds
     into, the padding of `jnp.pad`) is harmless until it meets such a product: it is
     followed through the equations that only move or sum values, and counts only where it
-    enters any other one with a factor that is not a finite literal. Conservative: any
-    such value entering a loop or a branch counts.
+    enters any other one with a factor that is not a finite literal. A `scan`'s body is
+    walked (`_scan_constant_terms`); conservative elsewhere: any such value entering a
+    `while` loop or a branch counts.
 
     **Arguments:**
 
