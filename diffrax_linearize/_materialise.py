@@ -25,10 +25,11 @@ from ._interpreter import (
     jvp_may_add_constants,
     known,
     Lin,
+    split_of,
     subjaxprs,
 )
 from ._loops import is_cell_loop, unrolled
-from ._operators import sparse_operator, SparseLinearOperator
+from ._operators import dense_from_parts, sparse_operator, SparseLinearOperator
 from ._sparsity import describe, to_dense, too_full, transpose
 from ._structure import Ell, Struct
 
@@ -572,8 +573,9 @@ def _dense_jacobian(spec: _Spec, consts, diff, rest):
     if reverse is None and _dense_by_nature(ctx, blocks):
         # `jax.jacfwd`'s own computation: its NaN pattern too, with nothing to check.
         return _jacfwd_cells(spec, f_jvp, diff, chunk=None)
+    split = lambda b: split_of(ctx, b)  # noqa: E731
     if not spec.nan_as_jacfwd:
-        return _dense_cells(spec, blocks, diff)
+        return _dense_cells(spec, blocks, diff, split)
     # `jax.jacfwd` pushes every basis vector through the linearisation, so a NaN or
     # infinite partial derivative meets the basis's zeros (`0 * inf` is NaN) wherever it
     # is formed, also where the structure knows the tangent to be zero and forms nothing
@@ -613,7 +615,7 @@ def _dense_jacobian(spec: _Spec, consts, diff, rest):
     def nonfinite_fallback():
         return _jacfwd_cells(spec, f_jvp, diff)
 
-    return jax.lax.cond(finite, lambda: _dense_cells(spec, blocks, diff), nonfinite_fallback)
+    return jax.lax.cond(finite, lambda: _dense_cells(spec, blocks, diff, split), nonfinite_fallback)
 
 
 _FALLBACK_CHUNK = 64
@@ -708,7 +710,7 @@ def _integer_cell(out_aval, x):
     return jnp.zeros(_cell_shape(out_aval, x), out_aval.dtype)
 
 
-def _dense_cells(spec: _Spec, blocks, diff):
+def _dense_cells(spec: _Spec, blocks, diff, split):
     out = []
     for q, row in enumerate(blocks):
         aval = spec.jaxpr.outvars[q].aval
@@ -720,7 +722,11 @@ def _dense_cells(spec: _Spec, blocks, diff):
             elif b is None:
                 cells.append(jnp.zeros(_cell_shape(aval, diff[p]), dtype))
             else:
-                cells.append(to_dense(b).astype(dtype))
+                # A row-compressed sum of a known and a traced part: its entries summed as
+                # `materialise_operator` sums them, so that the two agree bit for bit.
+                parts = split(b) if b.ell is not None else None
+                dense = None if parts is None else dense_from_parts(b, parts, dtype)
+                cells.append(to_dense(b).astype(dtype) if dense is None else dense)
         out.append(cells)
     return out
 
@@ -915,7 +921,9 @@ def solver_operator(fn: Callable, *args, holomorphic: bool = False):
     return _materialise_operator(fn, args, 0, holomorphic, "auto", False, nan_as_jacfwd=False)
 
 
-def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.AbstractLinearOperator:
+def _block_operator(
+    b: Struct | None, out_aval, in_shape, in_dtype, parts=None
+) -> lx.AbstractLinearOperator:
     out_struct = jax.ShapeDtypeStruct(tuple(out_aval.shape), out_aval.dtype)
     in_struct = jax.ShapeDtypeStruct(tuple(in_shape), in_dtype)
     if b is None:
@@ -927,7 +935,7 @@ def _block_operator(b: Struct | None, out_aval, in_shape, in_dtype) -> lx.Abstra
         return lx.PyTreeLinearOperator(zeros, out_struct)
     kind = b.kind() if out_aval.dtype == in_dtype else "dtype-changing"
     if kind == "sparse":
-        return sparse_operator(b, in_struct, out_struct)
+        return sparse_operator(b, in_struct, out_struct, parts)
     if kind == "identity":
         return lx.IdentityLinearOperator(in_struct, out_struct)
     if kind in ("scaled_identity", "diagonal"):
@@ -1041,7 +1049,9 @@ def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
     _, f_jvp = jax.linearize(_function(spec, consts, rest), *diff)
     blocks, ctx, forward = _structured_jacobian(spec, consts, diff, rest, f_jvp)
     _check_strict(spec, ctx.densified, ctx.reasons)
-    build = functools.partial(_blocks_operator, spec, diff, diff_tree, out_tree)
+    build = functools.partial(
+        _blocks_operator, spec, diff, diff_tree, out_tree, split=lambda b: split_of(ctx, b)
+    )
     if forward is None and _dense_by_nature(ctx, blocks):
         # `jax.jacfwd`'s matrix, as `materialise`: it holds `jax.jvp`'s NaN rows itself.
         cells = _jacfwd_cells(spec, f_jvp, diff, chunk=None)
@@ -1173,10 +1183,12 @@ def _is_traced(x) -> bool:
     return isinstance(x, jax.Array)
 
 
-def _blocks_operator(spec: _Spec, diff, diff_tree, out_tree, blocks):
+def _blocks_operator(spec: _Spec, diff, diff_tree, out_tree, blocks, split=None):
     out_avals = [v.aval for v in spec.jaxpr.outvars]
     if jtu.treedef_is_leaf(diff_tree) and jtu.treedef_is_leaf(out_tree):
-        return _block_operator(blocks[0][0], out_avals[0], diff[0].shape, diff[0].dtype)
+        b = blocks[0][0]
+        parts = None if split is None or b is None else split(b)
+        return _block_operator(b, out_avals[0], diff[0].shape, diff[0].dtype, parts)
     cells = []
     for q, row in enumerate(blocks):
         aval = out_avals[q]

@@ -676,29 +676,91 @@ def _assemble(values, target, live, size: int, period: int, size_first: bool = F
     return out.T if size_first else out
 
 
-def _compress_rows(values, columns, live, n: int):
-    """The CSR form `(values, indices, indptr)` of the row-compressed matrix with `values`
-    of shape `(E, rows)` (entry-major, as `flat_entries(..., entries_first=True)` gives
-    them) and static `columns`, `live` of the same shape: its live entries in row-major
-    order, the slots of a row that share a column summed into one."""
+def _in_layout(kind: str, values, columns, live, layout, n: int):
+    """The numbers an operator of storage `kind` holds for the row-compressed matrix with
+    `values`, `columns`, `live` of shape `(E, rows)` (entry-major) acting on `n` elements,
+    flat: the CSR values in the order of the sorted keys `row * n + column` given as
+    `layout` (`"csr"`); blocks `(rows, k)` for the block size `layout`
+    (`"block-diagonal"`); diagonals `(len(offsets), rows)` for the offsets `layout`
+    (`"banded"`). The slots of a row that land in one place are summed. A NumPy `values`
+    gives a NumPy array (a constant of the program). `None` where a live entry has no
+    place in the layout."""
     E, m = columns.shape
     e_idx, r_idx = np.nonzero(np.asarray(live))
-    src = e_idx * np.int64(m) + r_idx  # into `values` flattened, entry-major
-    keys = r_idx * np.int64(max(n, 1)) + np.asarray(columns)[e_idx, r_idx]
-    order = np.argsort(keys, kind="stable")  # ties (a repeated column) in slot order
-    keys, src = keys[order], src[order]
-    first = np.concatenate([[True], keys[1:] != keys[:-1]])
-    unique = keys[first]
-    slot = np.cumsum(first) - 1
-    out = gather_sum(jnp.reshape(values, (-1,)), src, slot, len(unique))
-    indptr = np.concatenate([[0], np.cumsum(np.bincount(unique // max(n, 1), minlength=m))])
-    return out, unique % max(n, 1), indptr
+    cols = np.asarray(columns)[e_idx, r_idx].astype(np.int64)
+    if kind == "csr":
+        keys = r_idx * np.int64(max(n, 1)) + cols
+        size = len(layout)
+        dest = np.searchsorted(layout, keys)
+        fits = (dest < size) & (layout[np.minimum(dest, max(size - 1, 0))] == keys)
+    elif kind == "block-diagonal":
+        fits = r_idx // layout == cols // layout
+        dest = r_idx * np.int64(layout) + cols % layout
+        size = m * layout
+    else:
+        offsets = np.asarray(layout, np.int64)
+        index = np.searchsorted(offsets, cols - r_idx)
+        fits = offsets[np.minimum(index, len(offsets) - 1)] == cols - r_idx
+        dest = index * np.int64(m) + r_idx
+        size = len(offsets) * m
+    if not fits.all():
+        return None
+    src = e_idx * np.int64(m) + r_idx
+    if isinstance(values, np.ndarray | np.generic):
+        out = np.zeros(size, np.result_type(values))
+        np.add.at(out, dest, np.reshape(values, (-1,))[src])
+        return out
+    if kind == "csr":
+        return gather_sum(jnp.reshape(values, (-1,)), src, dest, size)
+    if kind == "block-diagonal":
+        return _assemble(values, columns % layout, live, layout, layout).reshape(-1)
+    index = np.searchsorted(np.asarray(layout), columns.astype(np.int64) - np.arange(m))
+    return _assemble(values, index, live, len(layout), 1, size_first=True).reshape(-1)
 
 
-def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLinearOperator:
+def _from_parts(kind: str, parts, layout, n: int, dtype):
+    """The numbers of `_in_layout` for the sum of the blocks `parts` (a part known at trace
+    time and a traced one; see `split_of`), each put in place alone: the known part's as
+    a constant, the traced part's from its own entries only. `None` where an entry of a
+    part has no place in the layout."""
+    total = None
+    for part in parts:
+        values, columns, live = flat_entries(
+            part if part.ell is not None else part.to_ell(), entries_first=True
+        )
+        if not isinstance(values, np.ndarray | np.generic):
+            values = jnp.asarray(values, dtype)
+        out = _in_layout(kind, values, columns, live, layout, n)
+        if out is None:
+            return None
+        total = out if total is None else total + out
+    return jnp.asarray(total, dtype)
+
+
+def dense_from_parts(block, parts, dtype):
+    """The dense array (of shape `out_shape + in_shape`) of a row-compressed block that is
+    the sum of `parts` (see `split_of`), its entries summed as `sparse_operator` sums
+    them; `None` where a part does not fit the block's pattern."""
+    columns, live = flat_pattern(block)
+    m, n = columns.shape[1], math.prod(block.in_shape)
+    e_idx, r_idx = np.nonzero(live)
+    layout = np.unique(r_idx * np.int64(max(n, 1)) + columns[e_idx, r_idx])
+    flat = _from_parts("csr", parts, layout, n, dtype)
+    if flat is None:
+        return None
+    rows, cols = layout // max(n, 1), layout % max(n, 1)
+    dense = jnp.zeros((m, n), dtype).at[rows, cols].set(flat, unique_indices=True)
+    return dense.reshape(tuple(block.out_shape) + tuple(block.in_shape))
+
+
+def sparse_operator(
+    block, input_structure, output_structure, parts=None
+) -> lx.AbstractLinearOperator:
     """The lineax operator of a row-compressed block (one with an `Ell`): block-diagonal,
     tridiagonal, banded, ELLPACK or CSR, whichever `storage_plan` picks for its static
-    pattern (the one that `structure_report` describes)."""
+    pattern (the one that `structure_report` describes). With `parts` (blocks whose sum is
+    `block`: a known and a traced part, see `split_of`), the numbers are those of the
+    parts, each put in place alone, where the storage is not ELLPACK."""
     columns, live = flat_pattern(block)
     m = columns.shape[1]
     n = math.prod(input_structure.shape)
@@ -712,26 +774,34 @@ def sparse_operator(block, input_structure, output_structure) -> lx.AbstractLine
             input_structure,
             output_structure,
         )
-    rows_of = np.broadcast_to(np.arange(m), columns.shape)
-    if plan.kind != "ellpack":  # entry-major values, as the block holds them: no transposes
-        values, _, _ = flat_entries(block, entries_first=True)
-        values = jnp.asarray(values, dtype)
-    if plan.kind == "csr":
-        csr = _compress_rows(values, columns, live, n)
-        return CSRLinearOperator(*csr, input_structure, output_structure)
-    if plan.kind == "block-diagonal":
-        # Row r's slots land in block r // k, at (r % k, column % k).
-        k = plan.block
-        blocks = _assemble(values, columns % k, live, k, k).reshape(n // k, k, k)
-        return BlockDiagonalLinearOperator(blocks, input_structure, output_structure)
-    if plan.kind in ("tridiagonal", "banded"):
+    if plan.kind != "ellpack":
+        if plan.kind == "csr":
+            e_idx, r_idx = np.nonzero(live)
+            layout = np.unique(r_idx * np.int64(max(n, 1)) + columns[e_idx, r_idx])
+        else:
+            layout = plan.block if plan.kind == "block-diagonal" else plan.offsets
+        kind = plan.kind if plan.kind != "tridiagonal" else "banded"
+        flat = None if parts is None else _from_parts(kind, parts, layout, n, dtype)
+        if flat is None:  # entry-major values, as the block holds them: no transposes
+            values, _, _ = flat_entries(block, entries_first=True)
+            flat = _in_layout(kind, jnp.asarray(values, dtype), columns, live, layout, n)
+        if plan.kind == "csr":
+            indptr = np.cumsum(np.bincount(layout // max(n, 1), minlength=m))
+            indices = layout % max(n, 1)
+            return CSRLinearOperator(
+                flat, indices, np.concatenate([[0], indptr]), input_structure, output_structure
+            )
+        if plan.kind == "block-diagonal":
+            # Row r's slots land in block r // k, at (r % k, column % k).
+            k = plan.block
+            blocks = flat.reshape(n // k, k, k)
+            return BlockDiagonalLinearOperator(blocks, input_structure, output_structure)
         offsets = plan.offsets
-        index = np.searchsorted(np.asarray(offsets), columns.astype(np.int64) - rows_of)
-        diagonals = _assemble(values, index, live, len(offsets), 1, size_first=True)
+        diagonals = flat.reshape(len(offsets), m)
         if plan.kind == "banded":
             return BandedLinearOperator(diagonals, offsets, input_structure, output_structure)
         full = {d: diagonals[offsets.index(d)] if d in offsets else None for d in (-1, 0, 1)}
-        zero = jnp.zeros((n,), values.dtype)
+        zero = jnp.zeros((n,), dtype)
         lo = full[-1] if full[-1] is not None else zero
         up = full[1] if full[1] is not None else zero
         mid = full[0] if full[0] is not None else zero

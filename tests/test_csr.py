@@ -172,6 +172,104 @@ def test_hub_graphs_are_stored_compressed(edges, n):
     _check_products(op, J, rtol=1e-12)
 
 
+# ---- a known transport term plus a traced reaction ------------------------------------------
+
+
+def _largest_value(fn, y) -> int:
+    """The most elements of any value computed by the program of `materialise_operator`
+    (its constants, known when it is traced, not counted)."""
+    from diffrax_linearize._interpreter import iter_eqns
+
+    jaxpr = jax.make_jaxpr(lambda y: dl.materialise_operator(fn, y))(y).jaxpr
+    return max(int(np.prod(v.aval.shape)) for eqn in iter_eqns(jaxpr) for v in eqn.outvars)
+
+
+@pytest.mark.parametrize("hub", [False, True], ids=["scale_free", "star"])
+def test_known_laplacian_plus_traced_reaction_is_assembled_from_its_parts(hub):
+    # The graph Laplacian's block is known when traced (its values are +-1), its rows as
+    # wide as the hub's; `- x**3` adds a traced diagonal. The operator stores the known
+    # part as a constant and computes the diagonal's entries only: no value of the
+    # program is as large as the engine's `rows x widest row` slots (n^2 for the star).
+    n = 400
+    edges = _star(n) if hub else _preferential_attachment(n)
+    fn = _graph_field(edges, n)
+    y = _state(n)
+    J = np.asarray(jax.jit(jax.jacfwd(fn))(y))
+    widest = np.count_nonzero(J, axis=1).max()
+    op = dl.materialise_operator(fn, y)
+    assert isinstance(op, dl.CSRLinearOperator), type(op)
+    assert _stored(op) == op.nnz == np.count_nonzero(J)
+    assert_jacobian_equal(op.as_matrix(), J)
+    # Summed as `jax.jacfwd` sums them (the Laplacian's entries, then the reaction), and
+    # `materialise` sums them so too.
+    np.testing.assert_array_equal(op.as_matrix(), J)
+    np.testing.assert_array_equal(dl.materialise(fn, y), J)
+    assert _largest_value(fn, y) <= 2 * op.nnz < n * widest
+    _check_products(op, J, rtol=1e-12)
+
+
+def _species_stencil(y):
+    """Two species on a Dirichlet grid, species last (as Gray-Scott): a Laplacian with
+    constant coefficients plus a traced reaction, stacked and flattened."""
+    y = y.reshape(8, 8, 2)
+    u, v = y[..., 0], y[..., 1]
+
+    def lap(w):
+        p = jnp.pad(w, 1)
+        return 81.0 * (p[2:, 1:-1] + p[:-2, 1:-1] + p[1:-1, 2:] + p[1:-1, :-2] - 4 * w)
+
+    du = 2e-3 * lap(u) - u * v**2 + 0.04 * (1 - u)
+    dv = 1e-3 * lap(v) + u * v**2 - 0.1 * v
+    return jnp.stack([du, dv], axis=-1).reshape(-1)
+
+
+@pytest.mark.parametrize(
+    "fn, size, operator",
+    [
+        (_species_stencil, 128, dl.BandedLinearOperator),
+        (
+            lambda u: jnp.gradient(u) * u + jnp.gradient(jnp.gradient(u)),
+            50,
+            dl.BandedLinearOperator,
+        ),
+        (_graph_field(_random_graph(60, seed=2), 60), 60, dl.CSRLinearOperator),
+    ],
+    ids=["species_stencil", "gradient", "random_graph"],
+)
+def test_sum_of_known_and_traced_parts(fn, size, operator):
+    # The engine follows the known part (stencil coefficients, scaled by literals) and
+    # the traced part (the reaction) of the field's final sums through `jnp.stack` and
+    # `reshape`; the operator is assembled from the two, equal to `jax.jacfwd`'s matrix
+    # and to `materialise`'s array bit for bit.
+    from diffrax_linearize import _materialise
+    from diffrax_linearize._interpreter import split_of
+    from diffrax_linearize._structure import is_known
+
+    y = _state(size)
+    J = np.asarray(jax.jit(jax.jacfwd(fn))(y))
+    op = dl.materialise_operator(fn, y)
+    assert isinstance(op, operator), type(op)
+    assert_jacobian_equal(op.as_matrix(), J)
+    np.testing.assert_array_equal(op.as_matrix(), dl.materialise(fn, y))
+    v = jnp.asarray(np.random.default_rng(1).standard_normal(size))
+    np.testing.assert_allclose(op.mv(v), J @ np.asarray(v), rtol=1e-12, atol=1e-12)
+
+    def parts(y):
+        closed = jax.make_jaxpr(fn)(y)
+        dynamic, static = _materialise._split_consts(closed.consts)
+        spec = _materialise._Spec(
+            closed.jaxpr, 1, "forward", False, structured=True, static_consts=static
+        )
+        blocks, ctx, _ = _materialise._structured_jacobian(spec, dynamic, [y], [])
+        found = split_of(ctx, blocks[0][0])
+        assert found is not None
+        known, traced = found
+        assert is_known(known.val) and not is_known(traced.val)
+        return 0.0
+
+    jax.jit(parts)(y)
+
+
 def _laplacian_1d(u):
     p = jnp.pad(u, 1)
     return p[2:] - 2 * u + p[:-2] - u**3

@@ -1577,6 +1577,8 @@ def _graph_laplacian(x):
         (lambda x: jnp.concatenate([jnp.zeros(1), x]), False),
         (lambda x: jax.jit(lambda y: jnp.concatenate([y, jnp.zeros(1)]))(x), False),
         (_graph_laplacian, False),
+        # Species stacked after a padded stencil (`jnp.stack` only moves the zeros).
+        (lambda x: jnp.stack([2.0 * jnp.pad(x, 1)[2:], x**2], axis=-1), False),
         # ... and not where a product with an unknown or infinite factor follows, also
         # across a `jit` boundary.
         (lambda x: jnp.sqrt(jnp.pad(x, 1)), True),
@@ -1584,6 +1586,15 @@ def _graph_laplacian(x):
         (lambda x: x[0] * jnp.pad(x, 1), True),
         (lambda x: jnp.sqrt(jax.jit(lambda y: jnp.concatenate([y, jnp.zeros(1)]))(x)), True),
         (lambda x: jnp.sqrt(jnp.zeros(4).at[jnp.array([0, 2])].add(x[:2])), True),
+        (lambda x: jnp.sqrt(jnp.stack([jnp.pad(x, 1)[2:], x])), True),
+        # Inside a `scan` (its primal inputs are constants of the JVP program): a map over
+        # cells adds nothing; a zero term does where a carry starts at a constant and
+        # meets an infinite factor, and so does a padding meeting `sqrt` in the body.
+        (lambda x: lax.scan(lambda c, s: (c, jnp.sin(s) * s), 0.0, x)[1], False),
+        (lambda x: lax.scan(lambda c, s: (c, jnp.sqrt(c) * s), 0.0, x)[1], False),
+        (lambda x: lax.scan(lambda c, s: (c + s, jnp.sqrt(c)), 0.0, x)[1], True),
+        (lambda x: lax.scan(lambda c, s: (c, jnp.sqrt(jnp.pad(s[None], 1))), 0.0, x)[1], True),
+        (lambda x: lax.scan(lambda c, s: (c, jsp.special.xlogy(s, 0.0 * s)), 0.0, x)[1], True),
     ],
 )
 def test_constant_terms_found_statically(fn, flagged):

@@ -914,3 +914,35 @@ def test_gather_sum_as_scatter_add(size):
     jitted = jax.jit(lambda v: _sparsity.gather_sum(v, src, dest, size))
     for got in (_sparsity.gather_sum(val, src, dest, size), jitted(val)):
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+# ---- a layer per cell ---------------------------------------------------------------------
+
+_W1 = np.random.RandomState(1).randn(16, 4) / 2
+_W2 = np.random.RandomState(2).randn(4, 16) / 4
+
+
+def _cell_layers(y):
+    # The same MLP per cell without `jax.vmap`: the cells are the rows of a matrix product.
+    h = jnp.tanh(y.reshape(-1, 4) @ _W1.T)
+    return (h @ _W2.T + jnp.roll(y.reshape(-1, 4), 1, 0)).reshape(-1)
+
+
+@pytest.mark.parametrize("fn", [structure.cell_mlp, _cell_layers], ids=["vmap", "matmul"])
+def test_layer_per_cell_is_a_product_per_cell(fn):
+    # The hidden units of a cell all read the cell's inputs: the second layer contracts
+    # them by one matrix product, never forming the `entries x hidden x cells x outputs`
+    # numbers (`64 n`) that folding them into the entries one by one would; the largest
+    # value is the first layer's (at most 8 entries x 16 hidden units a cell).
+    n = 4 * 50
+    x = _input(n, jnp.float64)
+    J = jax.jacfwd(fn)(x)
+    op = dl.materialise_operator(fn, x)
+    assert isinstance(op, dl.SparseLinearOperator), type(op)
+    np.testing.assert_allclose(op.as_matrix(), J, **_TOL[jnp.float64])
+    assert op.values.size == n * np.count_nonzero(np.asarray(J), axis=1).max()
+    from diffrax_linearize._interpreter import iter_eqns
+
+    jaxpr = jax.make_jaxpr(lambda x: dl.materialise_operator(fn, x))(x).jaxpr
+    largest = max(int(np.prod(v.aval.shape)) for e in iter_eqns(jaxpr) for v in e.outvars)
+    assert largest <= 32 * n
