@@ -16,10 +16,10 @@ Robertson x N: N identical systems, t in [0, 1e10] (diffsol's benchmark); the 2D
 on a periodic n x n grid, t in [0, 1] (`benchmarks/structure.py`).
 
 Contenders: ours (`Kvaerno5(root_finder=dl.VeryChord())`, `... dl.Newton()`, and
-`dl.Rodas5P()`, `dl.Rodas4P()` and the W-method `dl.ROS34PW2()` (Jacobian
-and factorisation reused across steps) where the package has them, these three with
-`dl.PredictiveController`, ROS34PW2's with `steady=(0.9, 1.2)`; the others with
-`diffrax.PIDController`), Diffrax's default
+`dl.Rodas5P()`, `dl.Rodas4P()`, the W-method `dl.ROS34PW2()` and `dl.BDF()` (Jacobian
+and factorisation reused across steps) where the package has them, the three Rosenbrock
+solvers with `dl.PredictiveController`, ROS34PW2's with `steady=(0.9, 1.2)`; BDF and the
+others with `diffrax.PIDController`), Diffrax's default
 `Kvaerno5()`, scipy BDF and Radau (with `jac_sparsity` on the large problems), and optional
 peers: SUNDIALS CVODE (scikit-sundae), diffsol (pydiffsol, BDF and ESDIRK34) and casadi
 (cvodes). A peer not installed gives a row saying so.
@@ -355,12 +355,14 @@ def _ours(name):
     rodas5p = getattr(dl, "Rodas5P", None)
     rodas4p = getattr(dl, "Rodas4P", None)
     ros34pw2 = getattr(dl, "ROS34PW2", None)
+    bdf = getattr(dl, "BDF", None)
     return {
         "ours VeryChord": lambda: diffrax.Kvaerno5(root_finder=dl.VeryChord()),
         "ours Newton": lambda: diffrax.Kvaerno5(root_finder=dl.Newton()),
         "ours Rodas5P": (lambda: rodas5p()) if rodas5p is not None else None,
         "ours Rodas4P": (lambda: rodas4p()) if rodas4p is not None else None,
         "ours ROS34PW2": (lambda: ros34pw2()) if ros34pw2 is not None else None,
+        "ours BDF": (lambda: bdf()) if bdf is not None else None,
         "diffrax default": lambda: diffrax.Kvaerno5(),
     }[name]
 
@@ -371,6 +373,7 @@ JAX_METHODS = [
     "ours Rodas5P",
     "ours Rodas4P",
     "ours ROS34PW2",
+    "ours BDF",
     "diffrax default",
 ]
 PEERS = [
