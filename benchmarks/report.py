@@ -931,7 +931,8 @@ def readme_table() -> str:
     m = mat["machine"]
     v = m["versions"]
     head = (
-        f"Recorded {m['date'][:10]} with jax {v['jax']}, diffrax {v['diffrax']}, equinox "
+        f"Recorded {_date_range(mat, step, wp, adj, sq)} with jax {v['jax']}, diffrax "
+        f"{v['diffrax']}, equinox "
         f"{v['equinox']}, lineax {v['lineax']}, Python {m['python']}, on this project's "
         f"{m['cpu_count']}-core {m['machine']} CI-class machine (JSON and plots in "
         "`benchmarks/results/`). Times are the fastest of rounds timed interleaved with the "
@@ -940,6 +941,14 @@ def readme_table() -> str:
     lines = [head, "", "| what | ours | reference |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
+
+
+def _date_range(*results: dict) -> str:
+    """The day the results were recorded, or the first and last of those days."""
+    paths = sorted(RESULTS.glob("ensemble-cpu-*.json"))
+    ensemble = [json.loads(paths[0].read_text())] if paths else []
+    days = sorted({r["machine"]["date"][:10] for r in [*results, *ensemble]})
+    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
 
 
 def _median_sources(wp: dict) -> str:
