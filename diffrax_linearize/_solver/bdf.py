@@ -33,7 +33,7 @@ from diffrax import (
 from .._linear_solver import StructuredLinearSolver
 from .._materialise import solver_operator
 from .._root_finder import VeryChord
-from .rosenbrock import _affine, _check_ode
+from .rosenbrock import _affine, _check_ode, _flat_increment
 
 
 _MAX_ORDER = 5
@@ -293,20 +293,6 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
     def func(self, terms, t0, y0, args):
         return terms.vf(t0, y0, args)
 
-    def _increment(self, terms, t0, t1, y0, args):
-        flat0, unravel = jfu.ravel_pytree(y0)
-        dtype = flat0.dtype
-        control = terms.contr(t0, t1)
-
-        # As `AbstractRosenbrockW`: the increment g = f dt, through `vf_prod`, so that a
-        # reversed-time solve's `diffrax.WrapTerm` is handled as Diffrax does.
-        def g(t, flat):
-            out = terms.vf_prod(t, unravel(flat), args, control)
-            out_flat, _ = jfu.ravel_pytree(out)
-            return out_flat.astype(dtype)
-
-        return flat0, unravel, dtype, g
-
     def _jacobian(self, g, t, y, s):
         # I - s dg/dy = I - s h J as one materialised operator (the structure engine sees
         # the identity, so it keeps J's pattern with its diagonal); affine in s, so its
@@ -327,7 +313,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
     def init(self, terms, t0, t1, y0, args):
         _check_ode(self, terms, t0, t1)
         t0 = jnp.asarray(t0)
-        flat0, _, dtype, g = self._increment(terms, t0, t1, y0, args)
+        flat0, _, dtype, g = _flat_increment(terms, t0, t1, y0, args)
         h = (jnp.asarray(t1) - t0).astype(dtype)
         _, alpha, _ = _coefficients(self.ndf)
         c = h / alpha[1]
@@ -416,7 +402,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         st = solver_state
         K = self.max_order
         t0 = jnp.asarray(t0)
-        flat0, unravel, dtype, g = self._increment(terms, t0, t1, y0, args)
+        flat0, unravel, dtype, g = _flat_increment(terms, t0, t1, y0, args)
         h = (jnp.asarray(t1) - t0).astype(dtype)
         gamma, alpha, error_const = (jnp.asarray(a, dtype) for a in _coefficients(self.ndf))
         made_jump = jnp.asarray(made_jump)

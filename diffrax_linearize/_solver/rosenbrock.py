@@ -569,6 +569,23 @@ def _affine(W_J, dW, r):
     return jtu.tree_map(lambda a, b: a + r.astype(a.dtype) * b, W_J, dW)
 
 
+def _flat_increment(terms, t0, t1, y0, args):
+    """`(flat0, unravel, dtype, g)`: the state flattened, and the increment
+    `g(t, y) = f(t, y) dt` on flat states, through `vf_prod` (as `AbstractRodas.step`), so
+    that a reversed-time solve's `diffrax.WrapTerm` is handled as Diffrax does. Shared by
+    the solvers that carry a Jacobian across steps (W-methods, BDF)."""
+    flat0, unravel = jfu.ravel_pytree(y0)
+    dtype = flat0.dtype
+    control = terms.contr(t0, t1)
+
+    def g(t, flat):
+        out = terms.vf_prod(t, unravel(flat), args, control)
+        out_flat, _ = jfu.ravel_pytree(out)
+        return out_flat.astype(dtype)
+
+    return flat0, unravel, dtype, g
+
+
 class AbstractRosenbrockW(AbstractAdaptiveSolver):
     r"""A Rosenbrock-W method, given by its tableau: a Rosenbrock method whose order
     conditions hold for any matrix in place of the Jacobian, so that one Jacobian and one
@@ -617,19 +634,6 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
     def func(self, terms, t0, y0, args):
         return terms.vf(t0, y0, args)
 
-    def _increment(self, terms, t0, t1, y0, args):
-        flat0, unravel = jfu.ravel_pytree(y0)
-        dtype = flat0.dtype
-        control = terms.contr(t0, t1)
-
-        # As `AbstractRodas.step`: the increment g = f dt, through `vf_prod`.
-        def g(t, flat):
-            out = terms.vf_prod(t, unravel(flat), args, control)
-            out_flat, _ = jfu.ravel_pytree(out)
-            return out_flat.astype(dtype)
-
-        return flat0, unravel, dtype, g
-
     def _jacobian(self, g, t0, flat0):
         # W(s) = I/gamma - s dg/dy as one materialised operator (the structure engine sees
         # the identity, so W keeps J's pattern with its diagonal); affine in s, so its
@@ -649,7 +653,7 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         _check_ode(self, terms, t0, t1)
         t0 = jnp.asarray(t0)
         h = jnp.asarray(t1) - t0
-        flat0, _, _, g = self._increment(terms, t0, t1, y0, args)
+        flat0, _, _, g = _flat_increment(terms, t0, t1, y0, args)
         W_J, dW = self._jacobian(g, t0, flat0)
         one = jnp.array(1, jnp.int32)
         return WState(
@@ -669,7 +673,7 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         st = solver_state
         t0 = jnp.asarray(t0)
         h = jnp.asarray(t1) - t0
-        flat0, unravel, dtype, g = self._increment(terms, t0, t1, y0, args)
+        flat0, unravel, dtype, g = _flat_increment(terms, t0, t1, y0, args)
 
         with jax.numpy_dtype_promotion("standard"):
             ratio = h / st.h_J
