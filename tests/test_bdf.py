@@ -1,3 +1,5 @@
+import functools
+
 import diffrax
 import diffrax_linearize as dl
 import equinox as eqx
@@ -11,7 +13,7 @@ import scipy.linalg
 from diffrax_linearize._solver.bdf import _rescale
 from helpers import assert_vmap_matches_jit
 from test_rosenbrock import _robertson, _robertson_ref, _Y0
-from test_wmethod import _pendulum, _pendulum_ref
+from test_wmethod import _pendulum, _pendulum_ref, _solve_small, assert_solves_pytree_state
 
 
 # Tight chord tolerances, for the fixed-step tests: the iteration's error must not hide
@@ -231,38 +233,13 @@ def test_dense_output():
 
 
 def test_pytree_state():
-    def f(t, y, args):
-        a, b = y["a"], y["b"]
-        return {"a": -a + b, "b": -(10 * b) + a}
-
-    y0 = {"a": jnp.array(1.0), "b": jnp.array(0.5)}
-    sol = _adaptive(dl.BDF(), f, y0, 1.0, 1e-8, 1e-10, dt0=0.05)
-    M = np.array([[-1.0, 1.0], [1.0, -10.0]])
-    ref = scipy.linalg.expm(M) @ np.array([1.0, 0.5])
-    np.testing.assert_allclose(sol.ys["a"][-1], ref[0], rtol=1e-6)
-    np.testing.assert_allclose(sol.ys["b"][-1], ref[1], rtol=1e-6)
-
-
-def _solve_small(y0, k):
-    def f(t, y, args):
-        return jnp.stack([-args * y[0] ** 3 + y[1], -50.0 * y[1] + jnp.sin(y[0])])
-
-    sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(f),
-        dl.BDF(),
-        0.0,
-        1.0,
-        0.01,
-        y0,
-        args=k,
-        stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-10),
-    )
-    return sol.ys[-1]
+    assert_solves_pytree_state(dl.BDF())
 
 
 @pytest.mark.slow  # two compilations: ~10 s on 2 cores
 def test_jit_vmap():
-    assert_vmap_matches_jit(_solve_small, jnp.array([[1.0, 0.5], [0.3, -0.2]]), 2.0, rtol=1e-9)
+    solve = functools.partial(_solve_small, solver=dl.BDF())
+    assert_vmap_matches_jit(solve, jnp.array([[1.0, 0.5], [0.3, -0.2]]), 2.0, rtol=1e-9)
 
 
 @pytest.mark.slow  # ~6 s of compilation; the default suite is held under 10 minutes

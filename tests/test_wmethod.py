@@ -174,26 +174,32 @@ def test_float32():
     np.testing.assert_allclose(sol.ys[-1], _robertson_ref(100.0), rtol=1e-2, atol=1e-6)
 
 
-def test_pytree_state():
+def assert_solves_pytree_state(solver):
+    """A linear system in a dict state, against `expm` (shared with `test_bdf.py`)."""
+
     def f(t, y, args):
         a, b = y["a"], y["b"]
         return {"a": -a + b, "b": -(10 * b) + a}
 
     y0 = {"a": jnp.array(1.0), "b": jnp.array(0.5)}
-    sol = _adaptive(dl.ROS34PW2(), f, y0, 1.0, 1e-8, 1e-10, dt0=0.05)
+    sol = _adaptive(solver, f, y0, 1.0, 1e-8, 1e-10, dt0=0.05)
     M = np.array([[-1.0, 1.0], [1.0, -10.0]])
     ref = scipy.linalg.expm(M) @ np.array([1.0, 0.5])
     np.testing.assert_allclose(sol.ys["a"][-1], ref[0], rtol=1e-6)
     np.testing.assert_allclose(sol.ys["b"][-1], ref[1], rtol=1e-6)
 
 
-def _solve_small(y0, k):
+def test_pytree_state():
+    assert_solves_pytree_state(dl.ROS34PW2())
+
+
+def _solve_small(y0, k, solver=dl.ROS34PW2()):
     def f(t, y, args):
         return jnp.stack([-args * y[0] ** 3 + y[1], -50.0 * y[1] + jnp.sin(y[0])])
 
     sol = diffrax.diffeqsolve(
         diffrax.ODETerm(f),
-        dl.ROS34PW2(),
+        solver,
         0.0,
         1.0,
         0.01,
