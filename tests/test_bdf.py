@@ -13,7 +13,13 @@ import scipy.linalg
 from diffrax_linearize._solver.bdf import _rescale
 from helpers import assert_vmap_matches_jit
 from test_rosenbrock import _robertson, _robertson_ref, _Y0
-from test_wmethod import _pendulum, _pendulum_ref, _solve_small, assert_solves_pytree_state
+from test_wmethod import (
+    _adaptive,
+    _pendulum,
+    _pendulum_ref,
+    _solve_small,
+    assert_solves_pytree_state,
+)
 
 
 # Tight chord tolerances, for the fixed-step tests: the iteration's error must not hide
@@ -146,20 +152,6 @@ def test_stale_jacobian_retried_inside_the_step():
     # Implicit Euler's step, so the comparison above is not two equal wrong answers.
     expected = np.linalg.solve(np.eye(2) - float(h) * np.asarray(M), np.asarray(y0))
     np.testing.assert_allclose(y_fresh, expected, rtol=1e-10)
-
-
-def _adaptive(solver, f, y0, t1, rtol, atol, dt0=1e-4, **kwargs):
-    return diffrax.diffeqsolve(
-        diffrax.ODETerm(f),
-        solver,
-        0.0,
-        t1,
-        dt0,
-        y0,
-        stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
-        max_steps=10_000,
-        **{"saveat": diffrax.SaveAt(t1=True, solver_state=True), **kwargs},
-    )
 
 
 def test_robertson_adaptive_reuses_jacobian():

@@ -126,8 +126,7 @@ def _adaptive(solver, f, y0, t1, rtol, atol, dt0=1e-4, **kwargs):
         y0,
         stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
         max_steps=10_000,
-        saveat=diffrax.SaveAt(t1=True, solver_state=True),
-        **kwargs,
+        **{"saveat": diffrax.SaveAt(t1=True, solver_state=True), **kwargs},
     )
 
 
