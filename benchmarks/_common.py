@@ -158,6 +158,25 @@ def write_results(name: str, rows: Sequence[dict], **extra) -> pathlib.Path:
     return path
 
 
+def kept_rows(name: str, rerun: Callable[[dict], bool]) -> tuple[list[dict], list[dict]]:
+    """For a partial re-run (`python -m benchmarks.structure --fields nbody --update`): the
+    rows of the recorded result `name` that this run does not re-measure (`rerun(row)` is
+    false), each stamped with the date (`recorded`) of the run that measured it, and the
+    earlier runs those rows come from (their `machine` and `machine_note`), to pass to
+    `write_results` as `earlier_runs` so that the record says which rows are older. Nothing
+    when there is no record yet."""
+    path = RESULTS / f"{result_stem(name)}.json"
+    if not path.is_file():
+        return [], []
+    old = json.loads(path.read_text())
+    date = old["machine"]["date"]
+    kept = [{**r, "recorded": r.get("recorded", date)} for r in old["rows"] if not rerun(r)]
+    days = {r["recorded"] for r in kept}
+    runs = [{"machine": old["machine"], "machine_note": old.get("machine_note")}]
+    runs = [r for r in [*old.get("earlier_runs", []), *runs] if r["machine"]["date"] in days]
+    return kept, runs
+
+
 def fmt_time(seconds: float | None) -> str:
     if seconds is None:
         return "—"

@@ -621,6 +621,20 @@ def _machine_line(m, note: str | None = None) -> str:
     )
 
 
+def _earlier_runs(data: dict) -> str:
+    """For a partial re-run: the runs its older rows come from, and which rows those are."""
+    runs = data.get("earlier_runs") or []
+    if not runs:
+        return ""
+    latest = data["machine"]["date"]
+    older = sorted(
+        {r.get("field", "?") for r in data["rows"] if r.get("recorded", latest) != latest}
+    )
+    which = f" (the rows of {', '.join(older)})" if older else ""
+    lines = "; ".join(_machine_line(r["machine"], r.get("machine_note")) for r in runs)
+    return f". Not re-run then, so from earlier runs{which}: {lines}"
+
+
 def render() -> str:
     files = sorted(RESULTS.glob("*.json"))
     by_bench: dict[str, list] = {}
@@ -653,7 +667,8 @@ def render() -> str:
                 out += [f"![{TITLES.get(name, name)}, {path.stem}]({ASSETS}/{png.name})", ""]
             out += SHORT[name](data) if name in SHORT else []
             out += [
-                f"{_machine_line(data.get('machine', {}), data.get('machine_note'))}. Full data: "
+                f"{_machine_line(data.get('machine', {}), data.get('machine_note'))}"
+                f"{_earlier_runs(data)}. Full data: "
                 f"[`{path.name}`]({ASSETS}/{path.name}).",
                 "",
             ]

@@ -25,6 +25,10 @@ Per field and size:
 At the smallest size of each field the Jacobians are checked against `jax.jacfwd`.
 
     python -m benchmarks structure [--quick]     # needs `pip install -e '.[bench]'` for asdex
+    python -m benchmarks.structure --fields nbody cell_mlp --update
+
+The second form re-runs some fields and keeps the other rows of the recorded result (each
+row says in `recorded` when it was measured; `earlier_runs` holds the older runs' machines).
 """
 
 import argparse
@@ -42,7 +46,14 @@ matplotlib.use("Agg")
 import diffrax_linearize as dl
 import matplotlib.pyplot as plt
 
-from benchmarks._common import markdown_table, plot_path, time_contenders, write_results
+from benchmarks._common import (
+    kept_rows,
+    machine,
+    markdown_table,
+    plot_path,
+    time_contenders,
+    write_results,
+)
 
 
 # ---- the corpus -----------------------------------------------------------------------------
@@ -326,11 +337,14 @@ def _max_error(actual, expected) -> float:
     )
 
 
-def run(quick: bool = False, only=None) -> list[dict]:
+def run(quick: bool = False, only=None, update: bool = False) -> list[dict]:
+    """Time every field of the corpus (`only`: these fields). With `update`, the rows of
+    the other fields are kept from the recorded result, each with the date of its run."""
     jax.config.update("jax_enable_x64", True)
     fields = QUICK if quick else FIELDS
     if only:
         fields = {name: fields[name] for name in only}
+    kept, earlier = kept_rows("structure", lambda r: r["field"] in fields) if update else ([], [])
     rows = []
     for name, (field, sizes) in fields.items():
         for i, n in enumerate(sizes):
@@ -387,6 +401,13 @@ def run(quick: bool = False, only=None) -> list[dict]:
                     }
                 )
             print(f"  {name} n={n}: {report.kinds[0]}", flush=True)
+    if update:
+        date = machine()["date"]
+        order = list(FIELDS)
+        rows = sorted(
+            [*kept, *({**r, "recorded": date} for r in rows)],
+            key=lambda r: (order.index(r["field"]), r["unknowns"]),
+        )
     path = write_results(
         "structure",
         rows,
@@ -398,7 +419,14 @@ def run(quick: bool = False, only=None) -> list[dict]:
             "the slowest (the spread). The summary's times are the fastest rounds and its "
             "ratios (ours over the other's) are of the fastest rounds; asdex's detection and "
             "colouring (`detect_s`) is one call, timed once."
+            + (
+                " A partial re-run: each row's `recorded` is the date of the run that "
+                "measured it; `earlier_runs` describes the runs of the older rows."
+                if earlier
+                else ""
+            )
         ),
+        **({"earlier_runs": earlier} if earlier else {}),
     )
     print(markdown_table(summary(rows), COLUMNS))
     print(f"\nResults: {path}\nPlot: {plot(rows)}")
@@ -506,8 +534,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--fields", nargs="+", choices=list(FIELDS), help="these fields only")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="with --fields: replace those fields' rows in the recorded result, keep the rest",
+    )
     ns = parser.parse_args(argv)
-    run(quick=ns.quick, only=ns.fields)
+    if ns.update and not ns.fields:
+        parser.error("--update re-runs the fields named by --fields; name them")
+    run(quick=ns.quick, only=ns.fields, update=ns.update)
 
 
 if __name__ == "__main__":

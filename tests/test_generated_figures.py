@@ -209,3 +209,31 @@ def test_squared_grads_guide_quotes_generated_figures():
     assert set(report._squared_grads_figures()) == set(report.SQUARED_GRADS_FIGURES)
     for name in report.SQUARED_GRADS_FIGURES:
         assert f"<!-- generated:{name} -->" in text, name
+
+
+def test_partial_rerun_keeps_older_rows_with_their_dates(tmp_path, monkeypatch):
+    from benchmarks import _common
+
+    monkeypatch.setattr(_common, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    first = {"date": "2026-12-01T10:00:00+00:00", "platform": "cpu", "versions": {"jax": "1"}}
+    rows = [{"field": "a", "unknowns": 1}, {"field": "b", "unknowns": 1}]
+    payload = {"benchmark": "structure", "machine": first, "machine_note": "idle", "rows": rows}
+    path = tmp_path / f"{_common.result_stem('structure')}.json"
+    path.write_text(json.dumps(payload))
+    kept, runs = _common.kept_rows("structure", lambda r: r["field"] == "b")
+    assert kept == [{"field": "a", "unknowns": 1, "recorded": first["date"]}]
+    assert runs == [{"machine": first, "machine_note": "idle"}]
+    # A second partial re-run, of `a`, keeps `b` with the date of the run that measured it,
+    # and names only the runs some kept row still comes from.
+    second = {**first, "date": "2026-12-02T10:00:00+00:00"}
+    rows = [*kept, {"field": "b", "unknowns": 1, "recorded": second["date"]}]
+    payload = {"benchmark": "structure", "machine": second, "earlier_runs": runs, "rows": rows}
+    path.write_text(json.dumps(payload))
+    kept, runs = _common.kept_rows("structure", lambda r: r["field"] == "a")
+    assert kept == [{"field": "b", "unknowns": 1, "recorded": second["date"]}]
+    assert runs == [{"machine": second, "machine_note": None}]
+    assert _common.kept_rows("missing", lambda r: True) == ([], [])
+    line = report._earlier_runs(payload)
+    assert "(the rows of a)" in line and "recorded 2026-12-01T10:00:00+00:00 (idle)" in line
+    assert report._earlier_runs({"machine": second, "rows": rows}) == ""
