@@ -32,7 +32,8 @@ CVODE's GMRES (no preconditioner) runs on the Brusselator only. A contender slow
 contenders of one case and tolerance are timed interleaved (A B C A B C ..., up to three
 rounds, a contender stopping after 20 s of timed solves): times in the table are each
 contender's fastest run, with how far its median lay above it; ratios are ours / this
-contender's, by fastest runs, same case.
+contender's, by fastest runs, same case. Ours and Diffrax's are compiled once per case,
+the tolerances being arguments of the compiled solve (`compile_s` is that one compile).
 
     python -m benchmarks stiff-peers [--quick]
 """
@@ -401,12 +402,14 @@ def controller_for(solver, rtol, atol):
     return diffrax.PIDController(rtol=rtol, atol=atol)
 
 
-def _jax_contender(make_solver, rhs_jnp, y0, t1, rtol, atol):
-    """`(call, finish, info)`: the compiled solve, a function of its output giving `(y_end,
-    info)`, and the compile time."""
+def _jax_compiled(make_solver, rhs_jnp, y0, t1):
+    """The jitted solve of one problem by one of ours or Diffrax's, compiled once for every
+    tolerance: `rtol` and `atol` are arguments, so the controllers and root finders get them
+    traced (the same steps and the same end values, bit for bit, as compiled constants).
+    Returns `(compiled, compile_s)`."""
     solver = make_solver()
 
-    def fn(y0):
+    def fn(y0, rtol, atol):
         sol = diffrax.diffeqsolve(
             diffrax.ODETerm(lambda t, y, args: rhs_jnp(y)), solver, 0.0, t1, None, y0,
             stepsize_controller=controller_for(solver, rtol, atol),
@@ -421,8 +424,15 @@ def _jax_contender(make_solver, rhs_jnp, y0, t1, rtol, atol):
 
     y0 = jnp.asarray(y0, jnp.float64)
     t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(y0).compile()
-    compile_s = time.perf_counter() - t0
+    compiled = jax.jit(fn).lower(y0, 1.0, 1.0).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def _jax_contender(compiled, compile_s, y0, rtol, atol):
+    """`(call, finish, info)`: the compiled solve at these tolerances, a function of its
+    output giving `(y_end, info)`, and the compile time (shared by every tolerance)."""
+    y0 = jnp.asarray(y0, jnp.float64)
+    rtol, atol = float(rtol), float(atol)
 
     def finish(out):
         y, acc, rej, res = out
@@ -432,7 +442,7 @@ def _jax_contender(make_solver, rhs_jnp, y0, t1, rtol, atol):
             "ok": int(res) == 0,
         }
 
-    return (lambda: compiled(y0)), finish, {"compile_s": compile_s}
+    return (lambda: compiled(y0, rtol, atol)), finish, {"compile_s": compile_s}
 
 
 def _diffsl(rhs, y0, large=None):
@@ -596,6 +606,7 @@ def _run_case(
     The contenders of one rtol are timed interleaved (`time_round_robin`: up to three rounds,
     a contender stopping after 20 s of timed solves)."""
     rows, too_slow, skip = [], set(), skip or {}
+    compiled = {}  # one compile per contender, for every tolerance
     for rtol in rtols:
         atol = rtol * ratio
         ready, info, notes = {}, {}, {}
@@ -612,7 +623,9 @@ def _run_case(
                     if make is None:
                         notes[method] = "not in this diffrax_linearize"
                         continue
-                    contender = _jax_contender(make, rhs_jnp, y0, t1, rtol, atol)
+                    if method not in compiled:
+                        compiled[method] = _jax_compiled(make, rhs_jnp, y0, t1)
+                    contender = _jax_contender(*compiled[method], y0, rtol, atol)
                 else:
                     contender = _peer_contender(method, rhs_np, y0, t1, rtol, atol, **kw)
             except Exception as e:  # a peer failing is a result, not a crash of the benchmark
