@@ -753,6 +753,7 @@ def run(quick: bool = False) -> list[dict]:
         "peer_versions": _peer_versions(),
         "reference_check_mescd": check,
         "per_step": _per_step(rows),
+        "loop_floor": _loop_floor(),
         "summary": summary,
         "markdown_table": table,
     }
@@ -772,6 +773,46 @@ def _peer_versions():
         except md.PackageNotFoundError:
             out[pkg] = None
     return out
+
+
+def _loop_floor(steps: int = 1000) -> dict:
+    """What bounds our fixed cost per step: Diffrax's own loop, timed on Robertson (N = 1)
+    with the cheapest solvers it has. `diffrax.Euler` at a constant step (one evaluation of
+    f per step, no error estimate) is the floor of any `diffeqsolve` step on this machine;
+    `diffrax.Heun` with `diffrax.PIDController` (two evaluations, an error estimate, the
+    controller's accept/reject) that of an adaptive one. Both at a step small enough to stay
+    stable, over t in [0, steps * 1e-4], timed interleaved; the number of steps is checked."""
+    term = diffrax.ODETerm(lambda t, y, args: jnp.stack(rober(y)))
+    y0 = jnp.array([1.0, 0.0, 0.0])
+    t1 = steps * 1e-4
+
+    def solve(solver, controller):
+        @jax.jit
+        def fn(y0):
+            sol = diffrax.diffeqsolve(
+                term, solver, 0.0, t1, 1e-4, y0, stepsize_controller=controller,
+                max_steps=4 * steps, saveat=diffrax.SaveAt(t1=True),
+            )  # fmt: skip
+            return sol.ys, sol.stats["num_accepted_steps"] + sol.stats["num_rejected_steps"]
+
+        n = int(fn(y0)[1])
+        return (lambda: fn(y0)), n
+
+    loops = {
+        "Diffrax loop: Euler, constant step": solve(diffrax.Euler(), diffrax.ConstantStepSize()),
+        "Diffrax loop: Heun, PIDController": solve(
+            diffrax.Heun(), diffrax.PIDController(rtol=1e-6, atol=1e-8)
+        ),
+    }
+    _, timings = time_round_robin({k: call for k, (call, _) in loops.items()}, repeats=7)
+    return {
+        name: {
+            "run_min_s": timings[name]["run_min_s"],
+            "steps": n,
+            "s_per_step": timings[name]["run_min_s"] / n,
+        }
+        for name, (_, n) in loops.items()
+    }
 
 
 def _per_step(rows):
