@@ -317,9 +317,11 @@ def _stiff_peers(data: dict) -> list[str]:
         ]
         out += [
             "Cost per step on Robertson (3 unknowns, rtol 1e-6): the fastest run over its "
-            "steps (accepted and rejected; peers: accepted). The two *Diffrax loop* lines "
-            "are Diffrax's own loop with its cheapest solvers (`stiff_peers._loop_floor`): "
-            "the floor of any step of a `diffeqsolve`, and of an adaptive one.",
+            "steps (accepted and rejected; peers: accepted). The *Diffrax loop* lines are "
+            "Diffrax's own loop with its cheapest solvers (`stiff_peers._loop_floor`): the "
+            "floor of any step of a `diffeqsolve`, and of an adaptive one; the *XLA loop* "
+            "line, one LAPACK LU factorisation and solve of a 3 x 3 matrix per iteration, "
+            "what a step that factors its matrix pays for it.",
             "",
             markdown_table(
                 steps, [("method", "contender"), ("per_step", "per step"), ("steps", "steps")]

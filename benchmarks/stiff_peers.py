@@ -45,6 +45,7 @@ import time
 import diffrax
 import jax
 import jax.numpy as jnp
+import jax.scipy.linalg
 import matplotlib
 import numpy as np
 import scipy.integrate
@@ -781,7 +782,8 @@ def _loop_floor(steps: int = 1000) -> dict:
     f per step, no error estimate) is the floor of any `diffeqsolve` step on this machine;
     `diffrax.Heun` with `diffrax.PIDController` (two evaluations, an error estimate, the
     controller's accept/reject) that of an adaptive one. Both at a step small enough to stay
-    stable, over t in [0, steps * 1e-4], timed interleaved; the number of steps is checked."""
+    stable, over t in [0, steps * 1e-4], timed interleaved; the number of steps is counted.
+    Beside them, `steps` LAPACK LU factorisations and solves of a 3 x 3 matrix in a loop."""
     term = diffrax.ODETerm(lambda t, y, args: jnp.stack(rober(y)))
     y0 = jnp.array([1.0, 0.0, 0.0])
     t1 = steps * 1e-4
@@ -804,6 +806,21 @@ def _loop_floor(steps: int = 1000) -> dict:
             diffrax.Heun(), diffrax.PIDController(rtol=1e-6, atol=1e-8)
         ),
     }
+    # And what one LAPACK LU factorisation and solve of a 3 x 3 matrix costs in an XLA
+    # loop (`jax.scipy.linalg.lu_factor`, `lu_solve`: custom calls and pivot permutations),
+    # against which the cost of a step that factors its matrix is to be read.
+    a = jnp.eye(3) * 4.0 + 0.1
+
+    @jax.jit
+    def lu_loop(b):
+        def body(i, b):
+            lu = jax.scipy.linalg.lu_factor(a + 1e-3 * i)
+            return jax.scipy.linalg.lu_solve(lu, b) + 0.5
+
+        return jax.lax.fori_loop(0, steps, body, b)
+
+    b = jnp.ones(3)
+    loops["XLA loop: 3 x 3 LAPACK LU factor and solve"] = ((lambda: lu_loop(b)), steps)
     _, timings = time_round_robin({k: call for k, (call, _) in loops.items()}, repeats=7)
     return {
         name: {
