@@ -513,11 +513,12 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         update = jnp.where(
             rows <= q, (rows >= 1) & (rows <= cols) & (cols <= q), (rows == cols) & (rows > q + 1)
         )
+        on_d = (rows >= 1) & (rows <= q + 1)
         update = jnp.concatenate(
-            [_matmul(update.astype(dtype), rescale), (rows >= 1) & (rows <= q + 1), rows == 0],
+            [_matmul(update.astype(dtype), rescale), on_d.astype(dtype), (rows == 0).astype(dtype)],
             axis=1,
         )
-        D_new = _combine(update.astype(dtype), [*history, d, y1])
+        D_new = _combine(update, [*history, d, y1])
         steps_at_order = steps_at_order + 1
         raise_order = (steps_at_order >= q + 1) & (q < K)
         new_state = BDFState(
