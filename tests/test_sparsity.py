@@ -15,7 +15,7 @@ import lineax as lx
 import numpy as np
 import pytest
 from benchmarks import structure
-from diffrax_linearize import _interpreter, _materialise, _sparsity
+from diffrax_linearize import _interpreter, _linear_solver, _materialise, _sparsity
 from helpers import assert_tree_allclose, primitive_names
 
 
@@ -630,6 +630,21 @@ def test_operator_against_its_matrix(op, dense_below):
         rtol=1e-8,
         atol=1e-9,
     )
+
+
+@pytest.mark.parametrize("m", [2, 3, 5])
+def test_block_inverse_pivots(m):
+    # Blocks whose leading entries are zero or tiny, so that every elimination step must
+    # pivot (the written-out elimination up to 3 x 3, the loop above), against NumPy.
+    rng = np.random.RandomState(m)
+    blocks = rng.randn(50, m, m) + m * np.eye(m)[::-1]
+    blocks[:25, 0, 0] = 0.0
+    blocks[25:, 0, 0] = 1e-12
+    for dtype in (jnp.float64, jnp.complex128):
+        b = jnp.asarray(blocks * (1 + 0.5j) if dtype == jnp.complex128 else blocks, dtype)
+        np.testing.assert_allclose(
+            _linear_solver._inverse_blocks(b), np.linalg.inv(np.asarray(b)), rtol=1e-9, atol=1e-9
+        )
 
 
 def _pollu_like(n, per_row=10, seed=0):

@@ -49,6 +49,21 @@ def _coefficients(ndf: bool):
     return gamma, alpha, error_const
 
 
+def _combine(weights, rows):
+    """`weights @ rows`, for a small `(m, r)` matrix of weights and `r` long rows (the
+    differences `D`): written out as `m` sums of `r` scaled rows, which XLA fuses into one
+    pass over the rows. XLA's CPU backend makes a product or a reduction over a few long
+    rows (`jnp.sum(..., axis=0)`, `jnp.cumsum`) several times slower, and on GPUs a
+    float32 product would round through TF32."""
+    m, r = weights.shape
+    return jnp.stack([sum(weights[i, j] * rows[j] for j in range(r)) for i in range(m)])
+
+
+def _matmul(a, b):
+    # Of small matrices of coefficients: at full precision, not TF32 on GPUs.
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _rescale_matrix(order: int, factor):
     """scipy's `compute_R`, for the largest order: its leading `(q + 1, q + 1)` block is
     the matrix for order `q` (the rows are cumulative products down the columns)."""
@@ -61,17 +76,24 @@ def _rescale_matrix(order: int, factor):
     return jnp.cumprod(m, axis=0)
 
 
-def _rescale(D, q, factor, max_order: int):
-    r"""scipy's `change_D`: the differences for step size $h$ to those for $\text{factor}
-    \cdot h$, of the polynomial of degree `q` (a traced order; rows above `q` are kept)."""
-    dtype = D.dtype
-    R = _rescale_matrix(max_order, factor.astype(dtype))
-    U = _rescale_matrix(max_order, jnp.ones((), dtype))
-    RU = R @ U
+def _rescale_weights(q, factor, max_order: int):
+    r"""scipy's `change_D` as a matrix: the rows `0` to `max_order` of the differences for
+    step size $h$ to those for $\text{factor} \cdot h$, of the polynomial of degree `q`
+    (a traced order; rows above `q` are kept)."""
+    dtype = factor.dtype
+    R = _rescale_matrix(max_order, factor)
+    U = _rescale_matrix(max_order, np.ones((), dtype))
+    RU = _matmul(R, U)
     idx = jnp.arange(max_order + 1)
     inside = (idx[:, None] <= q) & (idx[None, :] <= q)
-    RU = jnp.where(inside, RU, jnp.eye(max_order + 1, dtype=dtype))
-    return D.at[: max_order + 1].set(RU.T @ D[: max_order + 1])
+    return jnp.where(inside, RU, jnp.eye(max_order + 1, dtype=dtype)).T
+
+
+def _rescale(D, q, factor, max_order: int):
+    """The differences `D` rescaled by `_rescale_weights` (rows above `max_order`
+    kept)."""
+    weights = _rescale_weights(q, factor.astype(D.dtype), max_order)
+    return D.at[: max_order + 1].set(_combine(weights, D[: max_order + 1]))
 
 
 class BDFState(eqx.Module):
@@ -124,12 +146,13 @@ class BDFState(eqx.Module):
 class _BDFInterpolation(AbstractLocalInterpolation):
     r"""The interpolating polynomial of the step's history, as scipy's `BdfDenseOutput`:
     $y(t) = D_0 + \sum_{j=1}^{q} D_j \prod_{i=0}^{j-1} (t - t_1 + i h) / ((i + 1) h)$,
-    with the differences of the step (rows above its order zero)."""
+    with the differences of the step, of order `order` (rows above it are not used)."""
 
     t0: Any
     t1: Any
     y0: Any
-    D: Any  # flat, (max_order + 1, n)
+    D: Any  # flat, (max_order + 2, n)
+    order: Any
 
     def evaluate(self, t0, t1=None, left: bool = True):
         del left
@@ -143,7 +166,8 @@ class _BDFInterpolation(AbstractLocalInterpolation):
                 h * (1 + np.arange(self.D.shape[0] - 1))
             )
             p = jnp.cumprod(x).astype(dtype)
-        return unravel(self.D[0] + p @ self.D[1:])
+        p = jnp.where(np.arange(1, self.D.shape[0]) <= self.order, p, 0)
+        return unravel(self.D[0] + _combine(p[None], self.D[1:])[0])
 
 
 class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
@@ -363,17 +387,19 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         def body(carry):
             k, y, d, dy_norm_old, rate, converged, failed = carry
             f = g(t1, y) / alpha_q
-            finite = jnp.all(jnp.isfinite(f))
             sol = solve(f - psi - d)
             dy = boost * sol.value
             dy_norm = norm(dy / scale).astype(dtype)
+            # A non-finite f or dy makes the norm non-finite: one check of a scalar, not
+            # two passes over the state.
+            finite = jnp.isfinite(dy_norm)
             first = k == 0
             new_rate = jnp.where(first, rate, dy_norm / dy_norm_old)
             remaining = (max_steps - k).astype(dtype)
             diverging = ~first & (
                 (new_rate >= 1) | (new_rate**remaining / (1 - new_rate) * dy_norm > tol)
             )
-            bad = ~finite | ~jnp.all(jnp.isfinite(dy)) | diverging
+            bad = ~finite | diverging
             bad = bad | (sol.result != lx.RESULTS.successful)
             y = jnp.where(bad, y, y + dy)
             d = jnp.where(bad, d, d + dy)
@@ -407,21 +433,24 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         gamma, alpha, error_const = (jnp.asarray(a, dtype) for a in _coefficients(self.ndf))
         made_jump = jnp.asarray(made_jump)
 
-        # The history for this step size: after a jump, restart at order 1 from y0.
-        # (A `where`, not a `cond`: both sides are cheap, and a `cond` copies D.)
-        D = jnp.where(
-            made_jump, self._initial_D(flat0, g(t0, flat0)), _rescale(st.D, st.order, h / st.h, K)
-        )
+        # The history for this step size (scipy's `change_D`) as weights on the rows of the
+        # old one: the rescaled differences are only ever combined, into the predictor and
+        # into the next history, so they are never formed. After a jump the history
+        # restarts at order 1 from y0: row 1 becomes the slope there (a `cond`, so that
+        # other steps evaluate no f) and the rows above it are dropped.
+        slope = jax.lax.cond(made_jump, lambda: g(t0, flat0), lambda: st.D[1])
+        history = [flat0, slope, *st.D[2:]]
+        rows = jnp.arange(K + 2)
+        rescale = jnp.eye(K + 2, dtype=dtype)
+        rescale = rescale.at[: K + 1, : K + 1].set(_rescale_weights(st.order, h / st.h, K))
+        rescale = jnp.where(made_jump, jnp.diag((rows <= 1).astype(dtype)), rescale)
         q = jnp.where(made_jump, 1, st.order).astype(jnp.int32)
         steps_at_order = jnp.where(made_jump, 0, st.steps_at_order).astype(jnp.int32)
-        D = D.at[0].set(flat0)
-        rows = jnp.arange(K + 2)[:, None]
-        y_predict = jnp.sum(jnp.where(rows <= q, D, 0), axis=0)
         alpha_q = alpha[q]
-        gamma_rows = jnp.where(
-            (rows[:, 0] >= 1) & (rows[:, 0] <= q), gamma[jnp.minimum(rows[:, 0], K)], 0
-        )
-        psi = gamma_rows @ D / alpha_q
+        gamma_rows = jnp.where((rows >= 1) & (rows <= q), gamma[jnp.minimum(rows, K)], 0)
+        predict = jnp.stack([(rows <= q).astype(dtype), gamma_rows / alpha_q])
+        y_predict, psi = _combine(_matmul(predict, rescale), history)
+        rows = rows[:, None]
         c = h / alpha_q
         rtol, atol = self.root_finder.rtol, self.root_finder.atol
         with jax.numpy_dtype_promotion("standard"):
@@ -478,11 +507,18 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         result = RESULTS.where(converged, RESULTS.successful, RESULTS.nonlinear_divergence)
 
         # The differences of the new polynomial (scipy's update): D_{q+1} = d and
-        # D_i += D_{i+1} for i = q, ..., 0, that is D_i + ... + D_q + d.
-        masked = jnp.where(rows <= q, D, 0)
-        suffix = jnp.cumsum(masked[::-1], axis=0)[::-1] + d
-        D_new = jnp.where(rows <= q, suffix, jnp.where(rows == q + 1, d, D))
-        D_new = D_new.at[0].set(y1)
+        # D_i += D_{i+1} for i = q, ..., 1, that is D_i + ... + D_q + d, and D_0 = y1; as
+        # weights on the old history (through the rescaling), on d and on y1.
+        cols = rows.T
+        update = jnp.where(
+            rows <= q, (rows >= 1) & (rows <= cols) & (cols <= q), (rows == cols) & (rows > q + 1)
+        )
+        on_d = (rows >= 1) & (rows <= q + 1)
+        update = jnp.concatenate(
+            [_matmul(update.astype(dtype), rescale), on_d.astype(dtype), (rows == 0).astype(dtype)],
+            axis=1,
+        )
+        D_new = _combine(update, [*history, d, y1])
         steps_at_order = steps_at_order + 1
         raise_order = (steps_at_order >= q + 1) & (q < K)
         new_state = BDFState(
@@ -503,6 +539,5 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             num_factorisations=st.num_factorisations + (refactor | retry).astype(jnp.int32),
             num_newton_iterations=st.num_newton_iterations + iters,
         )
-        dense_D = jnp.where(rows[: K + 1] <= q, D_new[: K + 1], 0)
-        dense_info = dict(y0=y0, D=dense_D)
+        dense_info = dict(y0=y0, D=D_new, order=q)
         return unravel(y1), unravel(error), dense_info, new_state, result
