@@ -449,3 +449,19 @@ def test_adaptive_solve_recovers_from_failed_root_finds():
     assert result == dfx.RESULTS.successful
     assert stats["num_rejected_steps"] > 0
     np.testing.assert_allclose(y1, fine, rtol=0.05)
+
+
+@pytest.mark.parametrize("cls", [dl.GeneralItoMilstein, dl.GeneralStratonovichMilstein])
+def test_general_estimate_contracted_equals_jvp(cls):
+    # `method="contract"` forms the estimate's symmetric double sum from the materialised
+    # derivative it already has; `method="jvp"` takes one JVP through the diffusion. Same
+    # estimate up to rounding, and not a trivially small one.
+    terms, _ = _terms(_noncommuting, jr.key(3), levy=True)
+    steps = {
+        method: cls(method=method).step(terms, 0.1, 0.35, _Y0, None, None, False)
+        for method in ("contract", "jvp")
+    }
+    (y_c, err_c, *_), (y_j, err_j, *_) = steps["contract"], steps["jvp"]
+    np.testing.assert_allclose(y_c, y_j, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(err_c, err_j, rtol=1e-10, atol=1e-14)
+    assert np.linalg.norm(err_j) > 1e-3
