@@ -610,15 +610,13 @@ def run(quick: bool = False) -> list[dict]:
     )
     print()
     print(table(acc))
-    note = (
-        "quick mode; the 2-core machine was busy (shared with other sessions, load average "
-        "well above 2): times are rough, compare within this run"
-    )
+    # The state of the machine comes from $DIFFRAX_LINEARIZE_MACHINE_NOTE (`write_results`).
+    note = "quick mode: fewer paths and tolerances" if quick else "full run"
     path = write_results(
         name,
         rows,
         quick=quick,
-        note=note if quick else note.replace("quick mode; ", ""),
+        note=note,
         target_rtol=TARGET_RTOL,
         total_s=time.perf_counter() - start,
         references=checks,
