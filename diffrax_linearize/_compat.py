@@ -176,6 +176,21 @@ def is_tracer(x) -> bool:
     return isinstance(x, _Tracer)
 
 
+def made_by_transpose(x) -> bool:
+    """Whether the traced `x` is, up to reshapes, the output of a `transpose` equation of
+    the program being traced. `False` for anything else, and wherever this JAX's tracers
+    do not record the equation that made them (`DynamicJaxprTracer.parent`, jax 0.10): the
+    answer only chooses between two equivalent ways of moving data."""
+    while True:
+        eqn = getattr(x, "parent", None) if is_tracer(x) else None
+        name = getattr(getattr(eqn, "primitive", None), "name", None)
+        if name == "transpose":
+            return True
+        if name not in ("reshape", "squeeze", "expand_dims"):
+            return False
+        x = eqn.in_tracers[0]
+
+
 def scan_counts(params) -> tuple[int, int]:
     """`(num_consts, num_carry)` of a `scan` equation: parameters of their own up to jax
     0.11, the lengths of the first two groups of its `ft_in` flat tree from jax 0.12."""

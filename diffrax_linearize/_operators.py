@@ -16,6 +16,7 @@ import lineax as lx
 import numpy as np
 from jaxtyping import Array, Inexact
 
+from ._compat import made_by_transpose
 from ._sparsity import (
     compressed_diagonal,
     flat_entries,
@@ -621,13 +622,22 @@ def _(operator):
 def _assemble(values, target, live, size: int, period: int, size_first: bool = False):
     """`out[r, t]`: the sum of row `r`'s live slots `e` with `target[e, r] == t`, for the
     static `target` and `live` of shape `(E, rows)` and `values` of the same shape
-    (entry-major, as `flat_entries(..., entries_first=True)` gives them; zero where not
-    live); `period` divides the number of rows. Rows `r` and `r + period` share their
-    slots' targets in a regular pattern (a stencil's diagonals, with `period = 1`; the rows
-    of equal blocks, with the block size), so each `(r % period, t)` is a sum of whole slot
-    rows of `values`, a static mask only where a slot lands elsewhere in some rows:
-    elementwise work that XLA fuses into one pass. Patterns too irregular for that are
-    assembled by `gather_sum`.
+    (entry-major, as `flat_entries(..., entries_first=True, masked=False)` gives them; only
+    live slots are read); `period` divides the number of rows. Rows `r` and `r + period`
+    share their slots' targets in a regular pattern (a stencil's diagonals, with
+    `period = 1`; the rows of equal blocks, with the block size), so each
+    `(r % period, t)` is a sum of whole slot rows of `values`, a static mask only where a
+    slot is not live or lands elsewhere in some rows: elementwise work that XLA fuses into
+    one pass. Patterns too irregular for that are assembled by `gather_sum`.
+
+    XLA's CPU compiler fuses such slices and stacks with the program that computes
+    `values` only where it can index that program's output directly: it fuses no
+    concatenation of more than 8 operands (so the stacks are nested, one per row of a
+    block), and it does not fuse a program whose output is transposed and then sliced
+    several times (its limit on duplicated code). So where `values` is a transpose (the
+    block of `jax.vmap` over cells, whose out axes the engine reorders), the slices are
+    taken of the transpose back, which XLA cancels, and the assembled `(period, size)`
+    pieces are transposed once at the end.
 
     **Arguments:**
 
@@ -653,25 +663,35 @@ def _assemble(values, target, live, size: int, period: int, size_first: bool = F
     if period * size > 1024:
         return gathered()
     tgt = np.where(live, target, -1).reshape(E, nb, period)
-    lv = live.reshape(E, nb, period)
     pieces = []
     for i in range(period):
         for t in range(size):
             hits = tgt[:, :, i] == t  # (E, nb)
             for e in np.nonzero(hits.any(axis=1))[0]:
-                mask = hits[e] if (lv[e, :, i] & ~hits[e]).any() else None
-                pieces.append((i, t, e, mask))
+                pieces.append((i, t, e, None if hits[e].all() else hits[e]))
     if len(pieces) > 4 * max(E, size) * period:
         return gathered()
     V = values.reshape(E, nb, period)
+    # Slot rows `e, i` as contiguous vectors: of `V`, or of the transpose back (see above).
+    transposed = period > 1 and not size_first and made_by_transpose(values)
+    rows = jnp.swapaxes(V, 1, 2) if transposed else V
     columns = {}
     for i, t, e, mask in pieces:
-        piece = V[e, :, i] if mask is None else jnp.where(mask, V[e, :, i], 0)
+        piece = rows[e, i] if transposed else rows[e, :, i]
+        piece = piece if mask is None else jnp.where(mask, piece, np.zeros((), piece.dtype))
         columns[i, t] = piece if (i, t) not in columns else columns[i, t] + piece
     zero = jnp.zeros((nb,), values.dtype)
     if size_first and period == 1:
         return jnp.stack([columns.get((0, t), zero) for t in range(size)])
-    out = jnp.stack([columns.get((i, t), zero) for i in range(period) for t in range(size)], -1)
+    if transposed:
+        out = jnp.stack(
+            [jnp.stack([columns.get((i, t), zero) for t in range(size)]) for i in range(period)]
+        )
+        return jnp.transpose(out, (2, 0, 1)).reshape(m, size)
+    out = jnp.stack(
+        [jnp.stack([columns.get((i, t), zero) for t in range(size)], -1) for i in range(period)],
+        1,
+    )
     out = out.reshape(m, size)
     return out.T if size_first else out
 
@@ -726,7 +746,7 @@ def _from_parts(kind: str, parts, layout, n: int, dtype):
     total = None
     for part in parts:
         values, columns, live = flat_entries(
-            part if part.ell is not None else part.to_ell(), entries_first=True
+            part if part.ell is not None else part.to_ell(), entries_first=True, masked=False
         )
         if not isinstance(values, np.ndarray | np.generic):
             values = jnp.asarray(values, dtype)
@@ -783,7 +803,7 @@ def sparse_operator(
         kind = plan.kind if plan.kind != "tridiagonal" else "banded"
         flat = None if parts is None else _from_parts(kind, parts, layout, n, dtype)
         if flat is None:  # entry-major values, as the block holds them: no transposes
-            values, _, _ = flat_entries(block, entries_first=True)
+            values, _, _ = flat_entries(block, entries_first=True, masked=False)
             flat = _in_layout(kind, jnp.asarray(values, dtype), columns, live, layout, n)
         if plan.kind == "csr":
             indptr = np.cumsum(np.bincount(layout // max(n, 1), minlength=m))

@@ -1025,7 +1025,7 @@ def flat_pattern(b: Struct):
     return columns, live
 
 
-def flat_entries(b: Struct, entries_first: bool = False):
+def flat_entries(b: Struct, entries_first: bool = False, masked: bool = True):
     """An `Ell` block as a row-compressed matrix of its flattened out and in sides.
 
     **Arguments:**
@@ -1033,10 +1033,13 @@ def flat_entries(b: Struct, entries_first: bool = False):
     - `b`: an `Ell` block.
     - `entries_first`: lay `values` out as `(E, rows)`, the layout a canonical `val` has
         (no transpose in the program), rather than `(rows, E)`.
+    - `masked`: zero the entries that are not live. A caller that reads live entries only
+        (the operators' layouts) passes `False`: the select is a pass over every slot,
+        with a constant mask as large as the block.
 
     **Returns:** `(values, columns, live)`: `values` of shape `(rows, E)` (zero where not
-    live; `(E, rows)` with `entries_first`), NumPy `columns` and `live` of shape
-    `(E, rows)`, as `flat_pattern` gives them."""
+    live, with `masked`; `(E, rows)` with `entries_first`), NumPy `columns` and `live` of
+    shape `(E, rows)`, as `flat_pattern` gives them."""
     b = b.canonical()
     ell = b.ell
     rest = [l for l in range(len(b.in_shape)) if l not in ell.in_axes]
@@ -1058,7 +1061,7 @@ def flat_entries(b: Struct, entries_first: bool = False):
     else:
         val = val.reshape(columns.shape[::-1])
         mask = live.T
-    if not live.all():
+    if masked and not live.all():
         val = _xp(val).where(mask, val, np.zeros((), val.dtype))
     return val, columns, live
 

@@ -154,6 +154,70 @@ def test_regular_patterns_assemble_without_scatter(name):
     assert not {"scatter", "scatter-add", "gather"} & _primitives(fn, x)
 
 
+def _switched_cells(y):
+    # Robertson's cells, the third species reading y3 in some cells only (a known
+    # predicate): a slot live in some blocks and not in others.
+    y1, y2, y3 = y.reshape(-1, 3).T
+    d1 = -0.04 * y1 + 1e4 * y2 * y3
+    d3 = jnp.where(np.arange(y1.shape[0]) % 3 == 0, 3e7 * y2**2 * y3, 3e7 * y2**2)
+    return jnp.stack([d1, -d1 - d3, d3], axis=1).reshape(-1)
+
+
+@pytest.mark.parametrize(
+    "name", ["robertson_stack", "robertson_vmap", "laplacian_pad", "switched_cells"]
+)
+def test_operator_reads_live_slots_only(name):
+    # The operators' layouts read the live slots of a block and nothing else (no pass that
+    # zeroes the others first): NaN in every slot that is not live changes nothing.
+    from diffrax_linearize import _operators
+    from diffrax_linearize._structure import BAND
+
+    fn = FIELDS[name][0] if name in FIELDS else _switched_cells
+    x = _input(3 * 40, jnp.float64)
+    b = _block(fn, x).canonical()
+    assert b.val_labels == (BAND, 0) and not b.ell.full_mask().all()
+    poisoned = b.with_val(jnp.where(b.ell.full_mask(), b.val, jnp.nan))
+    struct = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    op = _operators.sparse_operator(poisoned, struct, struct)
+    assert not isinstance(op, dl.SparseLinearOperator)  # not ELLPACK, which masks its slots
+    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-14, atol=0)
+
+
+def test_made_by_transpose():
+    from diffrax_linearize._compat import made_by_transpose
+
+    def check(x, expected):
+        assert made_by_transpose(x) == expected
+        return x
+
+    def program(a):
+        check(a, False)
+        check(a.T.reshape(-1).reshape(2, 6), True)
+        check(jnp.stack([a, a]), False)
+        check(jnp.sin(a.T), False)
+        return a
+
+    jax.make_jaxpr(program)(jnp.ones((3, 4)))
+    check(np.ones((2, 2)), False)
+
+
+def test_vmap_over_cells_is_assembled_from_the_transpose_back():
+    # `jax.vmap` over cells gives the block of each cell's species with the species axis
+    # first: the engine transposes it, and the operator slices the transpose back, so
+    # that XLA cancels the two. (Slices of the transpose itself stop XLA's CPU compiler
+    # fusing the field's program with the assembly: one more pass over the blocks.)
+    x = _input(3 * 50, jnp.float64)
+    jaxpr = jax.make_jaxpr(lambda x: dl.materialise_operator(robertson_vmap, x))(x)
+    transposes = [e for e in _interpreter.iter_eqns(jaxpr.jaxpr) if e.primitive.name == "transpose"]
+    # The engine's (species after cells), the one back, and the blocks' at the end.
+    shapes = [tuple(e.outvars[0].aval.shape) for e in transposes[-3:]]
+    assert shapes == [(3, 50, 3), (3, 3, 50), (50, 3, 3)]
+    assert transposes[-3].params["permutation"] == transposes[-2].params["permutation"]
+    op = dl.materialise_operator(robertson_vmap, x)
+    np.testing.assert_array_equal(op.as_matrix(), dl.materialise(robertson_vmap, x))
+    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(robertson_vmap)(x), rtol=1e-14)
+
+
 _IRREGULAR = {
     # A boundary row whose only slot is the diagonal: a slot landing on two diagonals.
     "boundary_row": lambda y: jnp.concatenate([2 * y[:1], y[1:] * y[:-1]]),
