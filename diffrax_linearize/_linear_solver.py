@@ -50,11 +50,12 @@ def resolution(dtype) -> float:
 
 # At most this many unknowns, a dense operator is inverted by `_inverse` (statically
 # unrolled) rather than LU-factored by lineax. Measured by the factor and six solves of a
-# Rodas4P step in a `lax.fori_loop` (float32 and float64, 2-core CPU, loaded: rough):
-# lineax's LU costs about 3 us whatever the size up to 8 (LAPACK custom calls, a pivot
-# permutation and two triangular solves per right-hand side), the unrolled inverse 0.4 us
-# at 3 unknowns and about three quarters of LU's cost at 8, and more than LU from 12.
-SMALL_DENSE = 8
+# Rodas4P step in a `lax.fori_loop` (float64, 2-core CPU, loaded: rough): lineax's LU costs
+# about 3 us whatever the size up to 8 (LAPACK custom calls, a pivot permutation and two
+# triangular solves per right-hand side), the unrolled inverse 0.4-0.8 us up to 5 unknowns,
+# then 2.4 us at 6 and 3 us at 8; in whole solves (Rodas4P, Rodas5P, ROS34PW2, BDF) it cost
+# 0.3-0.6 times LU's per step on ROBER (3 unknowns) but 0.75-1.9 times on HIRES (8).
+SMALL_DENSE = 5
 
 
 def _inverse(a):
@@ -215,7 +216,7 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
       `lineax.TridiagonalLinearOperator`: lineax's `Diagonal` and `Tridiagonal` solvers;
     - anything else: LU of the dense matrix, as `lineax.AutoLinearSolver(well_posed=True)`.
 
-    Dense matrices of at most 8 unknowns (a sparse operator below `dense_below`, or any
+    Dense matrices of at most 5 unknowns (a sparse operator below `dense_below`, or any
     other operator) are inverted instead, by Gauss-Jordan elimination with partial
     pivoting unrolled at trace time, so that a solve is one matrix-vector product: for
     such small systems lineax's LU costs several times more per step of a stiff solver

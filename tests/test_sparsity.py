@@ -696,7 +696,7 @@ def test_small_dense_is_inverted(dtype):
     """Up to `SMALL_DENSE` unknowns a dense operator is inverted by the unrolled
     Gauss-Jordan elimination (no LAPACK call, no loop in the compiled solve), above it
     LU-factored by lineax; both exact up to rounding against a float64 solve, on random
-    matrices (rows permuted so that pivoting is needed) and on Robertson's `I - h γ J`
+    matrices (rows permuted), on matrices that need pivoting and on Robertson's `I - h γ J`
     for steps up to 1e8 (condition numbers up to about 1e12), and so is the transpose."""
     from diffrax_linearize._linear_solver import _Delegate, _SmallDense, SMALL_DENSE
 
@@ -707,6 +707,9 @@ def test_small_dense_is_inverted(dtype):
         a = rng.randn(n, n) + 1j * rng.randn(n, n) if dtype == jnp.complex128 else rng.randn(n, n)
         mats.append(a[rng.permutation(n)])
     mats += [_robertson_step_matrix(hg) for hg in (1e-3, 1.0, 1e4, 1e8)]
+    # Well conditioned, but wrong without pivoting: a tiny or zero leading pivot.
+    mats += [np.array([[1e-20, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 2.0, 3.0]])]
+    mats += [np.eye(SMALL_DENSE)[::-1]]
     solver = dl.StructuredLinearSolver()
 
     @jax.jit
