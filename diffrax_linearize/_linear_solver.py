@@ -2,7 +2,8 @@
 returns: one batched LU for block-diagonal matrices, a block-tridiagonal LU for banded
 ones, a reordering to a band or GMRES with a diagonal preconditioner for other sparse
 patterns (ELLPACK or CSR), lineax's own solvers
-for identity, diagonal and tridiagonal operators, and LU for dense ones."""
+for identity, diagonal and tridiagonal operators, and for dense ones an unrolled inverse
+(up to `SMALL_DENSE` unknowns) or LU."""
 
 import functools as ft
 import math
@@ -47,12 +48,29 @@ def resolution(dtype) -> float:
     return 10.0 ** (1 - jnp.finfo(dtype).precision)
 
 
+# At most this many unknowns, a dense operator is inverted by `_inverse` (statically
+# unrolled) rather than LU-factored by lineax. Measured by the factor and six solves of a
+# Rodas4P step in a `lax.fori_loop` (float64, 2-core CPU, loaded: rough): lineax's LU costs
+# about 3 us whatever the size up to 8 (LAPACK custom calls, a pivot permutation and two
+# triangular solves per right-hand side), the unrolled inverse 0.4-0.8 us up to 5 unknowns,
+# then 2.4 us at 6 and 3 us at 8; in whole solves (Rodas4P, Rodas5P, ROS34PW2, BDF) it cost
+# 0.3-0.6 times LU's per step on ROBER (3 unknowns) but 0.75-1.9 times on HIRES (8).
+SMALL_DENSE = 5
+
+
 def _inverse(a):
     """The inverse of a square matrix by Gauss-Jordan elimination with partial pivoting.
 
-    For the small blocks of block-diagonal and block-tridiagonal factorisations: XLA's CPU
-    triangular solves with a matrix right-hand side (what `lu_solve(lu, C)` needs) cost
-    milliseconds for a 62 x 62 block, this a fraction of one."""
+    For small dense matrices and the small blocks of block-diagonal and block-tridiagonal
+    factorisations: XLA's CPU triangular solves with a matrix right-hand side (what
+    `lu_solve(lu, C)` needs) cost milliseconds for a 62 x 62 block, this a fraction of
+    one; a solve is then one matrix-vector product, which XLA fuses with what is around
+    it, where `lu_solve` makes two triangular-solve calls.
+
+    Row swaps and updates are selects on whole rows (`jnp.where`), not scatters: XLA
+    fuses a step into one loop. Up to `SMALL_DENSE` unknowns the elimination is unrolled
+    at trace time, so the steps fuse with each other too. A zero pivot (a singular
+    matrix) gives non-finite entries, as LU's division by a zero pivot does."""
     m = a.shape[-1]
     aug = jnp.concatenate([a, jnp.eye(m, dtype=a.dtype)], axis=1)
     idx = jnp.arange(m)
@@ -60,11 +78,17 @@ def _inverse(a):
     def eliminate(k, aug):
         p = jnp.argmax(jnp.where(idx >= k, jnp.abs(aug[:, k]), -1))
         row_k, row_p = aug[k], aug[p]
-        aug = aug.at[p].set(row_k).at[k].set(row_p / row_p[k])
-        factor = aug[:, k].at[k].set(0)
-        return aug - factor[:, None] * aug[k][None, :]
+        row_p = row_p / row_p[k]
+        aug = jnp.where((idx == k)[:, None], row_p, jnp.where((idx == p)[:, None], row_k, aug))
+        factor = jnp.where(idx == k, 0, aug[:, k])
+        return aug - factor[:, None] * row_p[None, :]
 
-    return lax.fori_loop(0, m, eliminate, aug)[:, m:]
+    if m <= SMALL_DENSE:
+        for k in range(m):
+            aug = eliminate(k, aug)
+    else:
+        aug = lax.fori_loop(0, m, eliminate, aug)
+    return aug[:, m:]
 
 
 def _inverse_blocks(blocks):
@@ -226,6 +250,12 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
       `lineax.TridiagonalLinearOperator`: lineax's `Diagonal` and `Tridiagonal` solvers;
     - anything else: LU of the dense matrix, as `lineax.AutoLinearSolver(well_posed=True)`.
 
+    Dense matrices of at most 5 unknowns (a sparse operator below `dense_below`, or any
+    other operator) are inverted instead, by Gauss-Jordan elimination with partial
+    pivoting unrolled at trace time, so that a solve is one matrix-vector product: for
+    such small systems lineax's LU costs several times more per step of a stiff solver
+    (LAPACK calls, pivot permutations and triangular solves that XLA cannot fuse).
+
     The factorisations are exact up to rounding. The block-tridiagonal factorisation does
     not pivot between blocks: like the Thomas algorithm it is stable for (block)
     diagonally dominant matrices, such as the `I - h γ J` of an implicit step of a
@@ -319,7 +349,7 @@ def _factor(operator, solver: StructuredLinearSolver, options):
     elif lx.is_tridiagonal(operator) and len(operator.in_structure().shape) <= 1:
         lsolver = lx.Tridiagonal()
     else:
-        lsolver = lx.LU()
+        return _dense(operator, options)
     return _Delegate(operator, lsolver, lsolver.init(operator, options))
 
 
@@ -336,8 +366,31 @@ def _(operator, solver, options):
     return _Delegate(operator, lsolver, lsolver.init(operator, options))
 
 
-def _dense(operator, options) -> _Delegate:
-    """LU of the dense matrix, for systems too small for their structure to pay."""
+class _SmallDense(_State):
+    """A small dense operator's inverse, for a solve that is one matrix-vector product."""
+
+    inverse: jax.Array  # (n, n)
+
+    def solve(self, vector, options):
+        dtype = jnp.result_type(self.inverse, vector)
+        b = jnp.reshape(vector, (-1,)).astype(dtype)
+        x = self.inverse.astype(dtype) @ b
+        return jnp.reshape(x, self.operator.in_structure().shape), lx.RESULTS.successful, {}
+
+    def transpose(self, solver, options):
+        return _SmallDense(self.operator.transpose(), self.inverse.T)
+
+
+def _dense(operator, options) -> _State:
+    """The dense matrix inverted (up to `SMALL_DENSE` unknowns) or LU-factored, for systems
+    too small for their structure to pay."""
+    # Pytree states are left to lineax, which ravels them.
+    arrays = all(
+        isinstance(s, jax.ShapeDtypeStruct)
+        for s in (operator.in_structure(), operator.out_structure())
+    )
+    if arrays and operator.in_size() <= SMALL_DENSE:
+        return _SmallDense(operator, _inverse(operator.as_matrix()))
     lsolver = lx.LU()
     return _Delegate(operator, lsolver, lsolver.init(operator, options))
 

@@ -756,6 +756,79 @@ def test_small_sparse_is_solved_dense():
         dl.StructuredLinearSolver(dense_below=-1)
 
 
+def _robertson_step_matrix(h_gamma):
+    """`I - h γ J` at a point of Robertson's transient: stiff, and ill-conditioned for a
+    large step."""
+    y2, y3 = 3.6e-5, 0.1
+    J = np.array(
+        [
+            [-0.04, 1e4 * y3, 1e4 * y2],
+            [0.04, -1e4 * y3 - 6e7 * y2, -1e4 * y2],
+            [0.0, 6e7 * y2, 0.0],
+        ]
+    )
+    return np.eye(3) - h_gamma * J
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.complex128])
+def test_small_dense_is_inverted(dtype):
+    """Up to `SMALL_DENSE` unknowns a dense operator is inverted by the unrolled
+    Gauss-Jordan elimination (no LAPACK call, no loop in the compiled solve), above it
+    LU-factored by lineax; both exact up to rounding against a float64 solve, on random
+    matrices (rows permuted), on matrices that need pivoting and on Robertson's `I - h γ J`
+    for steps up to 1e8 (condition numbers up to about 1e12), and so is the transpose."""
+    from diffrax_linearize._linear_solver import _Delegate, _SmallDense, SMALL_DENSE
+
+    rng = np.random.RandomState(0)
+    eps = float(jnp.finfo(dtype).eps)
+    mats = []
+    for n in (2, 3, SMALL_DENSE, SMALL_DENSE + 1):
+        a = rng.randn(n, n) + 1j * rng.randn(n, n) if dtype == jnp.complex128 else rng.randn(n, n)
+        mats.append(a[rng.permutation(n)])
+    mats += [_robertson_step_matrix(hg) for hg in (1e-3, 1.0, 1e4, 1e8)]
+    # Well conditioned, but wrong without pivoting: a tiny or zero leading pivot.
+    mats += [np.array([[1e-20, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 2.0, 3.0]])]
+    mats += [np.eye(SMALL_DENSE)[::-1]]
+    solver = dl.StructuredLinearSolver()
+
+    @jax.jit
+    def solve(m, v):
+        state = solver.init(lx.MatrixLinearOperator(m), {})
+        t_state, _ = solver.transpose(state, {})
+        return [solver.compute(st, v, {})[:2] for st in (state, t_state)]
+
+    for a in mats:
+        n = a.shape[0]
+        m = jnp.asarray(a, dtype)
+        a = np.asarray(m).astype(np.complex128)  # as rounded to `dtype`
+        b = jnp.asarray(rng.randn(n), dtype)
+        state = jax.eval_shape(lambda m: solver.init(lx.MatrixLinearOperator(m), {}), m)
+        assert isinstance(state, _SmallDense if n <= SMALL_DENSE else _Delegate)
+        cond = np.linalg.cond(a)
+        for (x, result), mat in zip(solve(m, b), (a, a.T)):
+            assert result == lx.RESULTS.successful
+            expected = np.linalg.solve(mat, np.asarray(b))
+            # Backward-stable solves: a forward error within the condition number times
+            # the rounding unit (a wrong pivot or a swapped row is off by order one).
+            err = np.max(np.abs(np.asarray(x) - expected)) / np.max(np.abs(expected))
+            assert err <= 10 * n * eps * cond, (n, cond, err)
+        # The factor and solve in the compiled code: LAPACK's only above `SMALL_DENSE`.
+        names = primitive_names(solve, m, b)
+        assert ("lu" in names) == (n > SMALL_DENSE) and "while" not in names, names
+
+
+def test_small_dense_singular_like_lu():
+    """A singular small matrix gives non-finite solutions, as lineax's LU does (a zero
+    pivot is divided by), and lineax's LU still takes over above `SMALL_DENSE`."""
+    for a in ([[1.0, 2.0], [2.0, 4.0]], [[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [0.0, 1.0, 1.0]]):
+        op = lx.MatrixLinearOperator(jnp.asarray(a))
+        b = jnp.ones(len(a))
+        solve = jax.jit(lambda s: lx.linear_solve(op, b, s, throw=False).value, static_argnums=0)
+        ours, lu = solve(dl.StructuredLinearSolver()), solve(lx.LU())
+        assert not np.all(np.isfinite(lu))
+        assert not np.all(np.isfinite(ours))
+
+
 @pytest.mark.slow
 def test_solver_on_materialised_operators_and_gradient():
     x = _input(2 * 6 * 6, jnp.float64)
