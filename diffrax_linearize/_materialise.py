@@ -528,12 +528,21 @@ def _forward(f_jvp, diff, out_avals):
     outs = _to_lin_outputs(outs, out_avals)
     blocks = [
         [
-            None if (b := x.blocks.get(p)) is None else reshape_in(b, leaf_shapes[p])
+            None if (b := x.blocks.get(p)) is None else _reshape_in(ctx, b, leaf_shapes[p])
             for p in range(len(diff))
         ]
         for x in outs
     ]
     return blocks, ctx
+
+
+def _reshape_in(ctx: Context, b: Struct, in_shape) -> Struct:
+    """`reshape_in`, keeping the record of a block's known and traced parts (`split_of`)."""
+    out = reshape_in(b, in_shape)
+    found = ctx.splits.get(id(b))
+    if out is not b and found is not None and found[0] is b:
+        ctx.splits[id(out)] = (out, reshape_in(found[1], in_shape), reshape_in(found[2], in_shape))
+    return out
 
 
 def _reshaped_inputs(jaxpr):
