@@ -26,7 +26,7 @@ from ._compat import (
     scan_counts,
     used_inputs,
 )
-from ._sparsity import to_dense
+from ._sparsity import add, to_dense
 from ._structure import is_known, Struct
 
 
@@ -379,10 +379,154 @@ def interpret(ctx: Context, jaxpr, consts, invals) -> list:
         outs = evaluate_known(eqn, vals)
         return bind_eqn(eqn, vals) if outs is None else outs
 
-    return eval_jaxpr(jaxpr, consts, invals, apply_eqn)
+    return [settle(x) for x in eval_jaxpr(jaxpr, consts, invals, apply_eqn)]
+
+
+class LazySum:
+    """A block kept as a sum of terms of different structure, inside `interpret` only.
+
+    The sum of blocks whose deltas differ (`p[None, :] - p[:, None]`, the pairwise
+    differences of an N-body field) has no delta form: merged, it is a row-compressed
+    pattern with one entry per term, whose `tmap` holds every out position (`O(n^2)`
+    NumPy work at trace time and index constants in the program), and every later sum over
+    an out axis folds those entries into more. Each term alone keeps its deltas, and the
+    rules are linear, so the equations that follow such a sum apply their rule to each
+    term; terms of one structure are added as they meet, and the rest are added only where
+    an equation needs one block (any other rule, the outputs), by then often dense
+    anyway, with no pattern on the way."""
+
+    __slots__ = ("terms",)
+
+    def __init__(self, terms):
+        self.terms = tuple(terms)
+
+
+# Equations applied term by term to a `LazySum`: sums, and the elementwise and shape
+# equations of one linear input that follow a sum of differences (cheap per term, and
+# never a sub-jaxpr interpreted once per term).
+_SUMS = frozenset({"add", "add_any", "sub"})
+_TERMWISE = frozenset(
+    {
+        "neg",
+        "mul",
+        "div",
+        "reduce_sum",
+        "broadcast_in_dim",
+        "squeeze",
+        "convert_element_type",
+        "transpose",
+        "dot_general",
+    }
+)
+
+
+def _terms(b) -> tuple:
+    return b.terms if isinstance(b, LazySum) else (b,)
+
+
+def _is_lazy(x) -> bool:
+    return isinstance(x, Lin) and any(isinstance(b, LazySum) for b in x.blocks.values())
+
+
+def settle(x):
+    """`x` with every `LazySum` block added up into one block."""
+    if not _is_lazy(x):
+        return x
+    blocks = {}
+    for p, b in x.blocks.items():
+        # The terms with fewest deltas first, so that no partial sum is more structured
+        # than the whole: two terms each dense where the other has a delta add up to a
+        # wide pattern (`O(n^2)` at trace time), though a dense third makes the sum dense.
+        terms = sorted(_terms(b), key=lambda t: (t.ell is not None, len(t.ties)))
+        out = terms[0]
+        for t in terms[1:]:
+            out = add(out, t).astype(x.dtype)
+        blocks[p] = out
+    return Lin(blocks, x.shape, x.dtype)
+
+
+def _term_lins(x: Lin) -> list[Lin]:
+    n = max((len(_terms(b)) for b in x.blocks.values()), default=1)
+    return [
+        Lin({p: _terms(b)[k] for p, b in x.blocks.items() if k < len(_terms(b))}, x.shape, x.dtype)
+        for k in range(n)
+    ]
+
+
+def _same_form(a: Struct, b: Struct) -> bool:
+    if a.out_shape != b.out_shape:
+        return False
+    if a.ell is not None or b.ell is not None:
+        return a.ell is not None and b.ell is not None
+    # A block without deltas decides the sum's structure on its own: no use waiting.
+    return not a.ties or not b.ties or a.canonical().ties == b.canonical().ties
+
+
+def _collect(terms, dtype):
+    """One block, or a `LazySum` of the terms of different structure."""
+    groups: list[Struct] = []
+    for t in terms:
+        for k, g in enumerate(groups):
+            if _same_form(g, t):
+                groups[k] = add(g, t).astype(dtype)
+                break
+        else:
+            groups.append(t)
+    return groups[0] if len(groups) == 1 else LazySum(groups)
+
+
+def _ties_differ(vals) -> bool:
+    """Whether two linear inputs of a sum hold blocks of one leaf without a pattern and
+    with different deltas (or shapes, broadcast by the sum): their merged block could be a
+    pattern."""
+    seen: dict[int, Struct] = {}
+    for x in vals:
+        if not isinstance(x, Lin):
+            continue
+        for p, b in x.blocks.items():
+            if b.ell is not None:
+                continue
+            if p in seen and not _same_form(seen[p], b):
+                return True
+            seen.setdefault(p, b)
+    return False
+
+
+def _apply_termwise(ctx: Context, eqn, vals) -> list:
+    """The equation applied to each term of its linear inputs (it is linear in them), the
+    results collected per leaf."""
+    collected: dict[int, list] = {}
+    out_lin = None
+    for i, x in enumerate(vals):
+        if not isinstance(x, Lin):
+            continue
+        for xk in _term_lins(x):
+            sub = [
+                xk if j == i else (Lin({}, v.shape, v.dtype) if isinstance(v, Lin) else v)
+                for j, v in enumerate(vals)
+            ]
+            (out,) = apply_rule(ctx, eqn, sub)
+            if not isinstance(out, Lin):
+                return NotImplemented
+            out_lin = out
+            for p, b in out.blocks.items():
+                collected.setdefault(p, []).append(b)
+    blocks = {p: _collect(ts, out_lin.dtype) for p, ts in collected.items()}
+    return [Lin(blocks, out_lin.shape, out_lin.dtype)]
 
 
 def apply_rule(ctx: Context, eqn, vals) -> list:
+    name = eqn.primitive.name
+    lazy = any(_is_lazy(x) for x in vals)
+    if len(eqn.outvars) == 1:
+        outs = NotImplemented
+        if name in _SUMS and (lazy or _ties_differ(vals)):
+            outs = _apply_termwise(ctx, eqn, vals)
+        elif lazy and name in _TERMWISE and sum(isinstance(x, Lin) for x in vals) == 1:
+            outs = _apply_termwise(ctx, eqn, vals)
+        if outs is not NotImplemented:
+            return outs
+    vals = [settle(x) for x in vals]
     rule = lookup_rule(eqn.primitive)
     outs = NotImplemented if rule is None else rule(ctx, eqn, vals)
     if outs is NotImplemented:

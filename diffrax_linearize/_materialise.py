@@ -30,7 +30,7 @@ from ._interpreter import (
 )
 from ._loops import is_cell_loop, unrolled
 from ._operators import dense_from_parts, sparse_operator, SparseLinearOperator
-from ._sparsity import describe, to_dense, too_full, transpose
+from ._sparsity import describe, reshape_in, to_dense, too_full, transpose
 from ._structure import Ell, Struct
 
 
@@ -515,17 +515,67 @@ def _structured_jacobian(spec: _Spec, consts, diff, rest, f_jvp=None):
 def _forward(f_jvp, diff, out_avals):
     """Forward accumulation: structure propagated through the linear program from the
     identity on the inputs."""
-    in_shapes = [tuple(jnp.shape(x)) for x in diff]
+    leaf_shapes = [tuple(jnp.shape(x)) for x in diff]
     lin = jax.make_jaxpr(f_jvp)(*diff)
+    jaxpr = _reshaped_inputs(lin.jaxpr)
+    in_shapes = [tuple(v.aval.shape) for v in jaxpr.invars]
     ctx = Context(in_shapes=in_shapes)
     invals = [
         Lin({p: Struct.identity(s, jnp.result_type(x))}, s, jnp.result_type(x))
         for p, (s, x) in enumerate(zip(in_shapes, diff))
     ]
-    outs = interpret(ctx, lin.jaxpr, lin.consts, invals)
+    outs = interpret(ctx, jaxpr, lin.consts, invals)
     outs = _to_lin_outputs(outs, out_avals)
-    blocks = [[x.blocks.get(p) for p in range(len(diff))] for x in outs]
+    blocks = [
+        [
+            None if (b := x.blocks.get(p)) is None else _reshape_in(ctx, b, leaf_shapes[p])
+            for p in range(len(diff))
+        ]
+        for x in outs
+    ]
     return blocks, ctx
+
+
+def _reshape_in(ctx: Context, b: Struct, in_shape) -> Struct:
+    """`reshape_in`, keeping the record of a block's known and traced parts (`split_of`)."""
+    out = reshape_in(b, in_shape)
+    found = ctx.splits.get(id(b))
+    if out is not b and found is not None and found[0] is b:
+        ctx.splits[id(out)] = (out, reshape_in(found[1], in_shape), reshape_in(found[2], in_shape))
+    return out
+
+
+def _reshaped_inputs(jaxpr):
+    """`jaxpr` taking each input that it only reshapes (`p = x.reshape(-1, 3)`, the bodies
+    of an N-body field) in its reshaped form. The identity on the reshaped input keeps a
+    delta per axis, so that `p[None, :] - p[:, None]` is a sum of blocks with deltas
+    (see `LazySum`), where the reshape of the identity on the flat input would be a
+    row-compressed pattern over every out position; the blocks' in sides are reshaped back
+    at the end (`reshape_in`), by then often dense."""
+    uses: dict = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not is_literal(v):
+                uses.setdefault(v, []).append(eqn)
+    outvars = {v for v in jaxpr.outvars if not is_literal(v)}
+    invars, drop = [], set()
+    for v in jaxpr.invars:
+        found = uses.get(v, [])
+        eqn = found[0] if len(found) == 1 else None
+        if (
+            eqn is not None
+            and v not in outvars
+            and eqn.primitive is prim("reshape")
+            and eqn.params.get("dimensions") is None
+            and len(eqn.invars) == 1
+        ):
+            invars.append(eqn.outvars[0])
+            drop.add(id(eqn))
+        else:
+            invars.append(v)
+    if not drop:
+        return jaxpr
+    return jaxpr.replace(invars=invars, eqns=[e for e in jaxpr.eqns if id(e) not in drop])
 
 
 def _reverse(f_jvp, diff, out_avals):

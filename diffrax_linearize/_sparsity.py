@@ -1180,6 +1180,51 @@ def transpose(b: Struct) -> Struct:
     ).canonical()
 
 
+def reshape_in(b: Struct, in_shape) -> Struct:
+    """The block with its in side reshaped to `in_shape` (row-major, as `jnp.reshape`):
+    `val` reshaped where the in axes are dense; otherwise every in axis is moved into the
+    pattern, whose flat index over all of them is the same for any shape.
+
+    **Arguments:**
+
+    - `b`: a [`Struct`][diffrax_linearize.internal.Struct] block.
+    - `in_shape`: the new in shape, of the same size.
+
+    **Returns:** the same map, with in shape `in_shape`.
+    """
+    in_shape = tuple(in_shape)
+    if in_shape == b.in_shape:
+        return b
+    assert math.prod(in_shape) == math.prod(b.in_shape)
+    n_out, n_in = len(b.out_shape), len(b.in_shape)
+    new_labels = tuple(range(n_out, n_out + len(in_shape)))
+    if b.ell is None and not b.ties:
+        b = b.broadcast_labels(b.in_labels).canonical()
+        val = b.val.reshape(b.val.shape[: len(b.val_labels) - n_in] + in_shape)
+        return Struct.build(
+            val,
+            b.val_labels[: len(b.val_labels) - n_in] + new_labels,
+            b.out_labels,
+            new_labels,
+            b.out_shape,
+            in_shape,
+        )
+    b = b.to_ell().canonical()
+    rest = [l for l in range(n_in) if l not in b.ell.in_axes]
+    if rest:
+        b = absorb_in_axes(b, rest).canonical()
+    assert b.ell.in_axes == tuple(range(n_in)), b.ell.in_axes
+    return Struct.build(
+        b.val,
+        b.val_labels,
+        b.out_labels,
+        new_labels,
+        b.out_shape,
+        in_shape,
+        Ell(b.ell.tmap, b.ell.mask, tuple(range(len(in_shape)))),
+    )
+
+
 def to_dense(b: Struct):
     """The block as a plain array of shape `out_shape + in_shape`.
 

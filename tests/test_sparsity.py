@@ -390,6 +390,73 @@ def test_nbody_program_does_not_grow_with_the_bodies():
         np.testing.assert_allclose(fn(structure.nbody, x), expected, rtol=1e-11, atol=1e-9)
 
 
+def _closed_over(closed) -> int:
+    """How many numbers a closed jaxpr and the closed jaxprs in its equations close over."""
+    total = sum(np.size(c) for c in closed.consts)
+    for eqn in closed.jaxpr.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if hasattr(sub, "consts") and hasattr(sub, "jaxpr"):
+                    total += _closed_over(sub)
+    return total
+
+
+def test_nbody_holds_no_pattern_of_the_bodies():
+    """The pairwise differences `p[None] - p[:, None]` are a sum of two blocks with
+    different deltas, kept as two terms (`LazySum`) down to the sum over bodies, which makes
+    them dense: no row-compressed pattern over the `n^2` pairs on the way, so the program
+    closes over no index arrays that grow with the bodies (it held five of `n^2 / 3`
+    entries, and their NumPy bookkeeping dominated the trace)."""
+    consts = {}
+    for bodies in (24, 48):
+        x = jnp.asarray(np.random.RandomState(bodies).rand(3 * bodies))
+        closed = jax.make_jaxpr(lambda x: dl.materialise_operator(structure.nbody, x))(x)
+        consts[bodies] = _closed_over(closed)
+        np.testing.assert_allclose(
+            dl.materialise_operator(structure.nbody, x).as_matrix(),
+            jax.jacfwd(structure.nbody)(x),
+            rtol=1e-11,
+            atol=1e-9,
+        )
+    assert consts[24] == consts[48] < 3 * 24, consts
+
+
+def _pairs(x):
+    p = x.reshape(-1, 2)
+    return p[None, :, :] - p[:, None, :]
+
+
+# Sums of blocks with different deltas (`LazySum`), followed by the equations applied term
+# by term, by ones that need the sum first (`cumsum`, `pad`, `dot_general`), or output as
+# they are.
+LAZY_SUMS = {
+    "pairs": _pairs,
+    "outer_sum": lambda x: x[:, None] + 2.0 * x[None, :],
+    "pairs_summed": lambda x: (lambda d: jnp.sum(d * jnp.sin(d), axis=1))(_pairs(x)),
+    "pairs_then_cumsum": lambda x: jnp.cumsum(jnp.sum(_pairs(x) ** 2, -1), axis=1),
+    "pairs_then_pad": lambda x: jnp.pad(jnp.sum(_pairs(x), 1), 1)[1:, 2:],
+    "pairs_dot": lambda x: jnp.sum(_pairs(x) @ jnp.array([[1.0, 2.0], [3.0, -1.0]]), 0),
+    "pairs_scaled_transposed": lambda x: (lambda d: (jnp.cos(d) * -d).transpose(2, 1, 0))(
+        _pairs(x)
+    ),
+    "three_deltas": lambda x: jnp.sum(
+        x[:, None, None] - x[None, :, None] + 3.0 * x[None, None, :] ** 2, axis=1
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAZY_SUMS))
+def test_sums_of_different_deltas(name):
+    fn = LAZY_SUMS[name]
+    x = jnp.asarray(np.random.RandomState(0).rand(8))
+    expected = jax.jacfwd(fn)(x)
+    np.testing.assert_allclose(dl.materialise(fn, x), expected, rtol=1e-12, atol=1e-12)
+    op = dl.materialise_operator(fn, x)
+    np.testing.assert_allclose(
+        op.as_matrix(), expected.reshape(op.out_size(), -1), rtol=1e-12, atol=1e-12
+    )
+
+
 def test_fft_field_is_jacfwds_program():
     """FFT, dense by nature: the transform of the identity leaves the walk nothing to
     save, and the Jacobian is `jax.jacfwd`'s own program, without the check for its NaNs
