@@ -69,6 +69,15 @@ CASE_KEYS = {
 }
 
 
+# The columns by which a partial re-run (`--update`) names the cases it re-measures: the
+# older rows of a record are listed by these.
+RERUN_KEYS = {
+    "structure": ("field",),
+    "stiff_peers": ("problem", "size"),
+    "stiff_peers_quick": ("problem", "size"),
+}
+
+
 # Where the built site serves each result's PNG and JSON (`docs/_scripts/benchmark_results.py`
 # adds them to the site from `benchmarks/results/`, so the docs hold no copies).
 ASSETS = "assets/benchmarks"
@@ -686,15 +695,21 @@ def _machine_line(m, note: str | None = None) -> str:
 
 
 def _earlier_runs(data: dict) -> str:
-    """For a partial re-run: the runs its older rows come from, and which rows those are."""
+    """For a partial re-run: the runs its older rows come from, and which cases those are."""
     runs = data.get("earlier_runs") or []
     if not runs:
         return ""
     latest = data["machine"]["date"]
+    keys = RERUN_KEYS.get(data.get("benchmark"), ("field",))
     older = sorted(
-        {r.get("field", "?") for r in data["rows"] if r.get("recorded", latest) != latest}
+        {
+            tuple(r.get(k, "?") for k in keys)
+            for r in data["rows"]
+            if r.get("recorded", latest) != latest
+        }
     )
-    which = f" (the rows of {', '.join(older)})" if older else ""
+    cases = [" ".join(str(v) for v in case) for case in older]
+    which = f" (the rows of {', '.join(cases)})" if cases else ""
     lines = "; ".join(_machine_line(r["machine"], r.get("machine_note")) for r in runs)
     return f". Not re-run then, so from earlier runs{which}: {lines}"
 
