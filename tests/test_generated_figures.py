@@ -183,15 +183,27 @@ def _readme_row(what: str) -> str:
 
 
 def test_readme_step_cost_compares_fastest_rounds():
-    # By medians the diagonal Milstein step came out 0.7x the Euler step it contains: on a
-    # busy machine a median of a microsecond step carries the load. The README quotes minima.
+    # By medians the diagonal Milstein step came out below the Euler step it contains: on
+    # a busy machine a median of a microsecond step carries the load. The README quotes
+    # minima.
     data = json.loads((report.RESULTS / "step_cost-cpu-cpu.json").read_text())
     rows = {(r["diffusion"], r["d"], r["solver"]): r for r in data["rows"]}
-    ours = rows[("diagonal", 1024, "ours_ito")]["run_min_s"]
-    euler = rows[("diagonal", 1024, "euler")]["run_min_s"]
-    line = _readme_row("Itô Milstein step, diagonal")
-    assert "fastest round" in line
-    assert f"{report._fmt3(ours)} ({ours / euler:.1f}x Euler)" in line, line
+    # By minima too the diagonal step came out below 1x Euler, its median above Euler's:
+    # where the spreads (fastest to median round) overlap, the README says the ratio is
+    # within them (issue 26), not a Milstein step cheaper than an Euler step.
+    for diffusion, d, what in (
+        ("diagonal", 1024, "diagonal"),
+        ("row_scaled", 256, "`g_ij"),
+        ("dense_linear", 256, "`g(y) = A y`"),
+    ):
+        ours, euler = rows[(diffusion, d, "ours_ito")], rows[(diffusion, d, "euler")]
+        line = _readme_row(f"Itô Milstein step, {what}")
+        ratio = ours["run_min_s"] / euler["run_min_s"]
+        assert "fastest round" in line
+        assert f"{report._fmt3(ours['run_min_s'])} (" in line, line
+        assert f"{ratio:.1f}x Euler)" in line, line
+        overlap = ours["run_min_s"] <= euler["run_s"] and euler["run_min_s"] <= ours["run_s"]
+        assert ("within the spread" in line) == overlap, line
 
 
 def test_extrapolated_costs_say_how_far():
