@@ -147,32 +147,48 @@ def write_results(name: str, rows: Sequence[dict], **extra) -> pathlib.Path:
 
     A note on the state of the machine (`"busy shared 2-core machine: rough"`), from the
     environment variable `DIFFRAX_LINEARIZE_MACHINE_NOTE`, is recorded as `machine_note`
-    (unless `extra` has one)."""
+    (unless `extra` has one). `extra` may hold the run's `machine`, taken once, where the
+    run stamps its rows with its date (a partial re-run)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{result_stem(name)}.json"
     note = os.environ.get("DIFFRAX_LINEARIZE_MACHINE_NOTE")
     if note and "machine_note" not in extra:
         extra = {**extra, "machine_note": note}
-    payload = {"benchmark": name, "machine": machine(), **extra, "rows": list(rows)}
+    run_machine = extra.pop("machine", None) or machine()
+    payload = {"benchmark": name, "machine": run_machine, **extra, "rows": list(rows)}
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     return path
 
 
-def kept_rows(name: str, rerun: Callable[[dict], bool]) -> tuple[list[dict], list[dict]]:
+def recorded_result(name: str) -> dict | None:
+    """The recorded result `name` (its JSON), or `None` when there is none yet."""
+    path = RESULTS / f"{result_stem(name)}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def kept_rows(
+    name: str, rerun: Callable[[dict], bool], carry: Sequence[str] = ()
+) -> tuple[list[dict], list[dict]]:
     """For a partial re-run (`python -m benchmarks.structure --fields nbody --update`): the
     rows of the recorded result `name` that this run does not re-measure (`rerun(row)` is
     false), each stamped with the date (`recorded`) of the run that measured it, and the
-    earlier runs those rows come from (their `machine` and `machine_note`), to pass to
-    `write_results` as `earlier_runs` so that the record says which rows are older. Nothing
-    when there is no record yet."""
-    path = RESULTS / f"{result_stem(name)}.json"
-    if not path.is_file():
+    earlier runs those rows come from (their `machine`, `machine_note` and the entries of
+    the record named in `carry`, such as the peers' versions), to pass to `write_results`
+    as `earlier_runs` so that the record says which rows are older. Nothing when there is
+    no record yet."""
+    old = recorded_result(name)
+    if old is None:
         return [], []
-    old = json.loads(path.read_text())
     date = old["machine"]["date"]
     kept = [{**r, "recorded": r.get("recorded", date)} for r in old["rows"] if not rerun(r)]
     days = {r["recorded"] for r in kept}
-    runs = [{"machine": old["machine"], "machine_note": old.get("machine_note")}]
+    runs = [
+        {
+            "machine": old["machine"],
+            "machine_note": old.get("machine_note"),
+            **{k: old[k] for k in carry if k in old},
+        }
+    ]
     runs = [r for r in [*old.get("earlier_runs", []), *runs] if r["machine"]["date"] in days]
     return kept, runs
 

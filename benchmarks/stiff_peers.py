@@ -36,11 +36,22 @@ contender's, by fastest runs, same case. Ours and Diffrax's are compiled once pe
 the tolerances being arguments of the compiled solve (`compile_s` is that one compile).
 
     python -m benchmarks stiff-peers [--quick]
+    python -m benchmarks.stiff_peers --problems brusselator_2d --sizes 64 --update
+    python -m benchmarks.stiff_peers --methods "ours BDF" --update
+
+The last two re-run some cases (`--problems`, `--sizes`: a test-set problem's size is its
+number of unknowns, Robertson's N, the Brusselator's grid side) or contenders (`--methods`)
+and keep the other rows of the recorded result, each saying in `recorded` when it was
+measured (`earlier_runs` holds the older runs' machines and peer versions); the summary and
+the cost per step are recomputed from the merged rows, and the loop floor is measured again
+with Robertson N = 1 (else kept, as the rows it is read beside).
 """
 
 import argparse
+import functools as ft
 import math
 import time
+from collections.abc import Callable
 
 import diffrax
 import jax
@@ -60,8 +71,11 @@ from benchmarks._common import (
     fmt_ratio,
     fmt_spread,
     fmt_time,
+    kept_rows,
+    machine,
     markdown_table,
     plot_path,
+    recorded_result,
     time_round_robin,
     write_results,
 )
@@ -687,6 +701,7 @@ def _round_robin(ready, notes):
         return _round_robin(ready, notes)
 
 
+@ft.cache
 def _rober_ref():
     sol = scipy.integrate.solve_ivp(
         lambda t, y: np.array(rober(y)),
@@ -699,66 +714,163 @@ def _rober_ref():
     return sol.y[:, -1]
 
 
-def run(quick: bool = False) -> list[dict]:
+def _big_rtols(quick):
+    return [1e-6] if quick else [1e-4, 1e-6, 1e-8]
+
+
+def _test_set_case(name, quick):
+    rhs, y0, t1, ref, ratio = TEST_SET[name]
+    return dict(
+        rhs_jnp=lambda y: jnp.stack(rhs(y)), rhs_np=_with_sym(rhs), y0=y0, t1=t1, ref=ref,
+        rtols=[1e-4, 1e-6] if quick else [1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10],
+        ratio=ratio, methods=JAX_METHODS + [m for m in PEERS if m != "CVODE GMRES"],
+    )  # fmt: skip
+
+
+def _robertson_case(N, quick):
+    from benchmarks.structure import robertson_stack
+
+    # Diffrax's dense default: 25 s at N = 100 on the busy 2-core machine
+    skip = {"diffrax default": "too slow at this size"} if N > (1 if quick else 100) else {}
+    return dict(
+        rhs_jnp=robertson_stack, rhs_np=rober_stack_np, y0=np.tile([1.0, 0, 0], N), t1=1e10,
+        ref=np.tile(_rober_ref(), N), rtols=_big_rtols(quick), ratio=1e-2,
+        methods=JAX_METHODS + PEERS, skip=skip, band=2, sparsity=rober_sparsity(N),
+        large=("robertson", N),
+    )  # fmt: skip
+
+
+def _brusselator_case(n, quick):
+    from benchmarks.structure import brusselator_2d
+
+    y0 = bruss_y0(n)
+    sp = bruss_sparsity(n)
+    ref = scipy.integrate.solve_ivp(
+        lambda t, y: bruss_np(y), (0, 1), y0, method="BDF", rtol=1e-11, atol=1e-13,
+        jac_sparsity=sp,
+    ).y[:, -1]  # fmt: skip
+    # Diffrax's dense default: 42 s at 16 x 16 on the busy 2-core machine
+    skip = {"diffrax default": "too slow at this size"} if quick or n > 16 else {}
+    return dict(
+        rhs_jnp=brusselator_2d, rhs_np=bruss_np, y0=y0, t1=1.0, ref=ref,
+        rtols=_big_rtols(quick), ratio=1e-2, methods=JAX_METHODS + PEERS, skip=skip,
+        sparsity=sp, large=("brusselator", n),
+    )  # fmt: skip
+
+
+PROBLEMS = [*TEST_SET, "robertson", "brusselator_2d"]
+
+
+def cases(quick: bool = False) -> list[tuple]:
+    """Every case of the sweep, in order: `(problem, size, setup)`, where `setup()` gives
+    the rest of `_run_case`'s arguments (a function: a Brusselator's reference is a solve of
+    its own, not made for a case that is not run)."""
+    out = [
+        (name, len(TEST_SET[name][1]), ft.partial(_test_set_case, name, quick))
+        for name in TEST_SET
+        if not quick or name in ("HIRES", "ROBER")
+    ]
+    out += [
+        ("robertson", N, ft.partial(_robertson_case, N, quick))
+        for N in ([1, 100] if quick else [1, 10, 100, 1000, 10_000])
+    ]
+    out += [
+        ("brusselator_2d", n, ft.partial(_brusselator_case, n, quick))
+        for n in ([16] if quick else [16, 32, 64])
+    ]
+    return out
+
+
+def selection(problems=None, sizes=None, methods=None) -> Callable[..., bool]:
+    """`selected(problem, size, method=None)`: whether a case (and a contender in it) is
+    among those named; `None` names all."""
+
+    def selected(problem, size, method=None):
+        return (
+            (problems is None or problem in problems)
+            and (sizes is None or size in sizes)
+            and (method is None or methods is None or method in methods)
+        )
+
+    return selected
+
+
+def merge(kept: list[dict], new: list[dict], quick: bool = False) -> list[dict]:
+    """The rows kept from the record and those re-run, in the order of a full sweep: by
+    case, then tolerance (loosest first), then contender."""
+    order = [(problem, size) for problem, size, _ in cases(quick)]
+    contenders = JAX_METHODS + PEERS
+
+    def key(r):
+        case = (r["problem"], r["size"])
+        return (
+            order.index(case) if case in order else len(order),
+            -r["rtol"],
+            contenders.index(r["method"]) if r["method"] in contenders else len(contenders),
+        )
+
+    return sorted([*kept, *new], key=key)
+
+
+def run(
+    quick: bool = False, problems=None, sizes=None, methods=None, update: bool = False
+) -> list[dict]:
+    """The sweep (`quick`: its short form). `problems`, `sizes`, `methods`: only these
+    cases and contenders (`None`: all). With `update`, the rows not re-run are kept from the
+    recorded result, each with the date of the run that measured it (`recorded`), and the
+    summary and the cost per step are recomputed from the merged rows."""
     jax.config.update("jax_enable_x64", True)
+    name = "stiff_peers_quick" if quick else "stiff_peers"
+    selected = selection(problems, sizes, methods)
+    todo = [(p, s, setup) for p, s, setup in cases(quick) if selected(p, s)]
+    if not todo:
+        raise ValueError(f"no case of {name} is among problems={problems}, sizes={sizes}")
+    kept, earlier, record = [], [], None
+    if update:
+        rerun = lambda r: selected(r["problem"], r["size"], r["method"])  # noqa: E731
+        kept, earlier = kept_rows(name, rerun, carry=("peer_versions",))
+        record = recorded_result(name)
     check = self_check()
     print("published references against scipy Radau (rtol 1e-12), mescd:", check)
-    rtols = [1e-4, 1e-6] if quick else [1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10]
-    small_methods = JAX_METHODS + [m for m in PEERS if m != "CVODE GMRES"]
     rows = []
-    for name, (rhs, y0, t1, ref, ratio) in TEST_SET.items():
-        if quick and name not in ("HIRES", "ROBER"):
-            continue
-        rows += _run_case(
-            name, len(y0), lambda y, r=rhs: jnp.stack(r(y)), _with_sym(rhs), y0, t1, ref,
-            rtols, ratio, small_methods, slow_s=5.0 if quick else 30.0,
-        )  # fmt: skip
-    big_rtols = [1e-6] if quick else [1e-4, 1e-6, 1e-8]
-    rref = _rober_ref()
-    from benchmarks.structure import brusselator_2d, robertson_stack
-
-    for N in [1, 100] if quick else [1, 10, 100, 1000, 10_000]:
-        # Diffrax's dense default: 25 s at N = 100 on the busy 2-core machine
-        skip = {"diffrax default": "too slow at this size"} if N > (1 if quick else 100) else {}
-        rows += _run_case(
-            "robertson", N, robertson_stack, rober_stack_np, np.tile([1.0, 0, 0], N), 1e10,
-            np.tile(rref, N), big_rtols, 1e-2, JAX_METHODS + PEERS,
-            slow_s=5.0 if quick else 30.0, skip=skip,
-            band=2, sparsity=rober_sparsity(N), large=("robertson", N),
-        )  # fmt: skip
-    for n in [16] if quick else [16, 32, 64]:
-        y0 = bruss_y0(n)
-        sp = bruss_sparsity(n)
-        ref = scipy.integrate.solve_ivp(
-            lambda t, y: bruss_np(y),
-            (0, 1),
-            y0,
-            method="BDF",
-            rtol=1e-11,
-            atol=1e-13,
-            jac_sparsity=sp,
-        ).y[:, -1]  # noqa: E501
-        # Diffrax's dense default: 42 s at 16 x 16 on the busy 2-core machine
-        skip = {"diffrax default": "too slow at this size"} if quick or n > 16 else {}
-        rows += _run_case(
-            "brusselator_2d", n, brusselator_2d, bruss_np, y0, 1.0, ref, big_rtols, 1e-2,
-            JAX_METHODS + PEERS, slow_s=5.0 if quick else 30.0, skip=skip, sparsity=sp,
-            large=("brusselator", n),
-        )  # fmt: skip
+    for problem, size, setup in todo:
+        kw = setup()
+        kw["methods"] = [m for m in kw["methods"] if selected(problem, size, m)]
+        rows += _run_case(problem, size, slow_s=5.0 if quick else 30.0, **kw)
+    # The loop floor is read beside the cost per step of Robertson N = 1 (`per_step`): it
+    # is measured again with that case, else kept with the rows it is read beside.
+    if record is not None and "loop_floor" in record and not selected("robertson", 1):
+        loop_floor = record["loop_floor"]
+    else:
+        loop_floor = _loop_floor()
+    # One date for the run and the rows it measured (`report._earlier_runs` tells the
+    # older rows by theirs).
+    here = machine()
+    if update:
+        rows = merge(kept, [{**r, "recorded": here["date"]} for r in rows], quick)
     summary = _summary(rows)
     table = markdown_table(summary, SUMMARY_COLUMNS)
+    note = "quick mode: HIRES, ROBER, two tolerances, small sizes" if quick else "full sweep"
+    if earlier:
+        note += (
+            "; a partial re-run: each row's `recorded` is the date of the run that measured "
+            "it, `earlier_runs` describes the runs of the older rows (ratios between rows of "
+            "different runs compare different states of the machine)"
+        )
     extra = {
+        "machine": here,
         "quick": quick,
         # The state of the machine, from $DIFFRAX_LINEARIZE_MACHINE_NOTE (`write_results`).
-        "note": "quick mode: HIRES, ROBER, two tolerances, small sizes" if quick else "full sweep",
+        "note": note,
         "peer_versions": _peer_versions(),
         "reference_check_mescd": check,
         "per_step": _per_step(rows),
-        "loop_floor": _loop_floor(),
+        "loop_floor": loop_floor,
         "summary": summary,
         "markdown_table": table,
+        **({"earlier_runs": earlier} if earlier else {}),
     }
-    path = write_results("stiff_peers_quick" if quick else "stiff_peers", rows, **extra)
+    path = write_results(name, rows, **extra)
     print(table)
     print(f"\nResults: {path}\nPlot: {plot(rows, quick)}")
     return rows
@@ -887,8 +999,14 @@ def _summary(rows):
 
 
 def derive(data: dict) -> dict:
+    """`data` with its summary, table and cost per step recomputed from its rows."""
     summary = _summary(data["rows"])
-    return dict(data, summary=summary, markdown_table=markdown_table(summary, SUMMARY_COLUMNS))
+    return dict(
+        data,
+        per_step=_per_step(data["rows"]),
+        summary=summary,
+        markdown_table=markdown_table(summary, SUMMARY_COLUMNS),
+    )
 
 
 def plot(rows, quick=False, out=None):
@@ -933,7 +1051,26 @@ def plot(rows, quick=False, out=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    run(quick=parser.parse_args(argv).quick)
+    parser.add_argument("--problems", nargs="+", choices=PROBLEMS, help="these problems only")
+    parser.add_argument(
+        "--sizes", nargs="+", type=int, help="these sizes only (unknowns; N; grid side)"
+    )
+    parser.add_argument(
+        "--methods", nargs="+", choices=JAX_METHODS + PEERS, help="these contenders only"
+    )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="replace the rows of the cases and contenders named in the recorded result, "
+        "keep the rest",
+    )
+    ns = parser.parse_args(argv)
+    if ns.update and not (ns.problems or ns.sizes or ns.methods):
+        parser.error("--update re-runs the cases named by --problems, --sizes, --methods")
+    selected = selection(ns.problems, ns.sizes, ns.methods)
+    if not any(selected(p, s) for p, s, _ in cases(ns.quick)):
+        parser.error("no case of the sweep has these problems and sizes")
+    run(ns.quick, ns.problems, ns.sizes, ns.methods, ns.update)
 
 
 if __name__ == "__main__":

@@ -401,16 +401,19 @@ def run(quick: bool = False, only=None, update: bool = False) -> list[dict]:
                     }
                 )
             print(f"  {name} n={n}: {report.kinds[0]}", flush=True)
+    # One date for the run and the rows it measured (`report._earlier_runs` tells the
+    # older rows by theirs).
+    here = machine()
     if update:
-        date = machine()["date"]
         order = list(FIELDS)
         rows = sorted(
-            [*kept, *({**r, "recorded": date} for r in rows)],
+            [*kept, *({**r, "recorded": here["date"]} for r in rows)],
             key=lambda r: (order.index(r["field"]), r["unknowns"]),
         )
     path = write_results(
         "structure",
         rows,
+        machine=here,
         summary=summary(rows),
         quick=quick,
         note=(

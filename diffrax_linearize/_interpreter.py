@@ -168,7 +168,7 @@ def rule_registry(recursion: str = JACOBIAN) -> dict[object, Rule]:
     return _REGISTRIES.setdefault(recursion, {})
 
 
-def register_rule(*prims, recursion: str = JACOBIAN):
+def register_rule(*prims, recursion: str = JACOBIAN, termwise: bool = False):
     """Decorator: register a rule for the given primitives in the registry of `recursion`.
 
     For the structure engine's own recursion (the default, `"jacobian"`) the rule is
@@ -183,9 +183,17 @@ def register_rule(*prims, recursion: str = JACOBIAN):
     - `*prims`: the primitives (`None` entries, for primitives this JAX version lacks, are
         skipped).
     - `recursion`: the name of the recursion the rule belongs to.
+    - `termwise`: for the `"jacobian"` recursion, whether the rule may be applied to each
+        term of a sum of blocks of different structure, the results added: it must be
+        linear in its one traced input (one output, the other inputs constant) and cheap
+        (no sub-jaxpr to interpret once per term). The flag is set on the rule itself
+        (`rule.termwise`); see *Sums of different deltas* in the developer page on the
+        structure engine.
     """
 
     def decorator(rule: Rule) -> Rule:
+        if termwise:
+            rule.termwise = True  # pyright: ignore[reportFunctionMemberAccess]
         registry = rule_registry(recursion)
         for p in prims:
             if p is not None:
@@ -401,23 +409,15 @@ class LazySum:
         self.terms = tuple(terms)
 
 
-# Equations applied term by term to a `LazySum`: sums, and the elementwise and shape
-# equations of one linear input that follow a sum of differences (cheap per term, and
-# never a sub-jaxpr interpreted once per term).
+# Equations applied term by term to a `LazySum`: sums, and those of one linear input whose
+# rule says it may be (`register_rule(..., termwise=True)`: the elementwise and shape
+# equations that follow a sum of differences, cheap per term, never a sub-jaxpr
+# interpreted once per term).
 _SUMS = frozenset({"add", "add_any", "sub"})
-_TERMWISE = frozenset(
-    {
-        "neg",
-        "mul",
-        "div",
-        "reduce_sum",
-        "broadcast_in_dim",
-        "squeeze",
-        "convert_element_type",
-        "transpose",
-        "dot_general",
-    }
-)
+
+
+def _termwise(rule) -> bool:
+    return getattr(rule, "termwise", False)
 
 
 def _terms(b) -> tuple:
@@ -518,16 +518,16 @@ def _apply_termwise(ctx: Context, eqn, vals) -> list:
 def apply_rule(ctx: Context, eqn, vals) -> list:
     name = eqn.primitive.name
     lazy = any(_is_lazy(x) for x in vals)
+    rule = lookup_rule(eqn.primitive)
     if len(eqn.outvars) == 1:
         outs = NotImplemented
         if name in _SUMS and (lazy or _ties_differ(vals)):
             outs = _apply_termwise(ctx, eqn, vals)
-        elif lazy and name in _TERMWISE and sum(isinstance(x, Lin) for x in vals) == 1:
+        elif lazy and _termwise(rule) and sum(isinstance(x, Lin) for x in vals) == 1:
             outs = _apply_termwise(ctx, eqn, vals)
         if outs is not NotImplemented:
             return outs
     vals = [settle(x) for x in vals]
-    rule = lookup_rule(eqn.primitive)
     outs = NotImplemented if rule is None else rule(ctx, eqn, vals)
     if outs is NotImplemented:
         reason = "no structure rule" if rule is None else "its rule does not cover this case"

@@ -58,6 +58,17 @@ def resolution(dtype) -> float:
 SMALL_DENSE = 5
 
 
+# `_inverse` and `_inverse_blocks` are two Gauss-Jordan eliminations on purpose: one
+# elimination over a trailing batch axis serving both (the dense case a batch of one) was
+# slower on one of the two cases in every form tried (2026-12-05, interleaved, fastest
+# rounds, loaded 2-core machine: rough; the merged form's time over the current one's).
+# `_inverse`'s row selects with the batch minor: 10x at 10^4 blocks of 3 x 3 (the argmax and
+# the pivot row's one-hot sum do not fuse), 2.4x with the pivot row found by selects over
+# static rows. `_inverse_blocks`'s written-out entries on a batch of one: 1.3x on a dense
+# matrix at n = 4 and 1.2-2x at n = 5, with twice the compile time at n = 5 (its size
+# grows as $m^3$).
+
+
 def _inverse(a):
     """The inverse of a square matrix by Gauss-Jordan elimination with partial pivoting.
 
@@ -100,7 +111,8 @@ def _inverse_blocks(blocks):
     elementwise over long arrays, which XLA fuses, where `jax.vmap` of the loop makes
     operations on arrays of `m` columns; for `10^4` blocks of 3 x 3 it is a few times
     faster. From 4 x 4 the written-out elimination costs more to compile than it saves
-    (its size grows as $m^3$), and the loop stays."""
+    (its size grows as $m^3$), and the loop stays. Not merged with `_inverse`: see the
+    comment above it."""
     n, m, _ = blocks.shape
     if m > 3:
         return jax.vmap(_inverse)(blocks)

@@ -293,11 +293,13 @@ def _permute_out(b: Struct, perm) -> Struct:
 # ---- elementwise linear maps of one input ---------------------------------------------
 
 
-register_rule(prim("neg"))(_blockwise(lambda b, eqn, vals, pos: b.map_val(lambda v: -v)))
+register_rule(prim("neg"), termwise=True)(
+    _blockwise(lambda b, eqn, vals, pos: b.map_val(lambda v: -v))
+)
 register_rule(prim("conj"))(_blockwise(lambda b, eqn, vals, pos: b.map_val(lambda v: v.conj())))
 register_rule(prim("real"))(_blockwise(lambda b, eqn, vals, pos: b.map_val(lambda v: v.real)))
 register_rule(prim("imag"))(_blockwise(lambda b, eqn, vals, pos: b.map_val(lambda v: v.imag)))
-register_rule(prim("convert_element_type"))(_blockwise(lambda b, eqn, vals, pos: b))
+register_rule(prim("convert_element_type"), termwise=True)(_blockwise(lambda b, eqn, vals, pos: b))
 
 
 @register_rule(
@@ -333,13 +335,13 @@ def _reduce_precision_rule(ctx, eqn, vals):
 # ---- shape manipulation ---------------------------------------------------------------
 
 
-@register_rule(prim("transpose"))
+@register_rule(prim("transpose"), termwise=True)
 @_blockwise
 def _transpose_rule(b, eqn, vals, pos):
     return _permute_out(b, eqn.params["permutation"])
 
 
-@register_rule(prim("broadcast_in_dim"))
+@register_rule(prim("broadcast_in_dim"), termwise=True)
 def _broadcast_in_dim_rule(ctx, eqn, vals):
     if len(vals) != 1:  # dynamic shapes
         return NotImplemented
@@ -373,7 +375,7 @@ def _drop_out_axes(b: Struct, axes) -> Struct:
     )
 
 
-@register_rule(prim("squeeze"))
+@register_rule(prim("squeeze"), termwise=True)
 @_blockwise
 def _squeeze_rule(b, eqn, vals, pos):
     axes = [d % len(b.out_shape) for d in eqn.params["dimensions"]]
@@ -712,7 +714,7 @@ def _tile_rule(ctx, eqn, vals):
     return [Lin(blocks, aval.shape, aval.dtype)]
 
 
-@register_rule(prim("reduce_sum"))
+@register_rule(prim("reduce_sum"), termwise=True)
 @_blockwise
 def _reduce_sum_rule(b, eqn, vals, pos):
     axes = sorted(eqn.params["axes"])
@@ -1052,7 +1054,7 @@ def _add_rule(ctx, eqn, vals):
     return [_sum_lins(terms, aval.shape, aval.dtype)]
 
 
-@register_rule(prim("mul"))
+@register_rule(prim("mul"), termwise=True)
 def _mul_rule(ctx, eqn, vals):
     pos = _single_linear(vals)
     if pos is None:
@@ -1077,7 +1079,7 @@ def _in_dtype(c, dtype):
     return c.astype(dtype)
 
 
-@register_rule(prim("div"))
+@register_rule(prim("div"), termwise=True)
 def _div_rule(ctx, eqn, vals):
     if _lin_positions(vals) != [0]:
         return NotImplemented
@@ -1303,7 +1305,7 @@ def _dot_block_ell_uniform(b, a, lin_is_lhs, xc, ac, xb, ab, out_shape, dtype):
     return _cast(simplify(out), dtype)
 
 
-@register_rule(prim("dot_general"))
+@register_rule(prim("dot_general"), termwise=True)
 def _dot_general_rule(ctx, eqn, vals):
     pos = _single_linear(vals)
     if pos is None:

@@ -459,6 +459,40 @@ def test_sums_of_different_deltas(name):
     )
 
 
+def test_termwise_is_a_flag_of_the_rules():
+    """Which equations are applied term by term to a sum of different deltas is said by
+    their rules (`register_rule(..., termwise=True)`), not by a list of names beside the
+    registry: the same set as before the flag, and a rule registered again without it
+    takes the sum added up."""
+    registry = _interpreter.rule_registry()
+    flagged = {str(p) for p, rule in registry.items() if getattr(rule, "termwise", False)}
+    assert flagged == {
+        "neg", "mul", "div", "reduce_sum", "broadcast_in_dim", "squeeze",
+        "convert_element_type", "transpose", "dot_general",
+    }  # fmt: skip
+    neg = registry[lax.neg_p]
+    # Two sizes: `materialise` caches its kernel on the text of the jaxpr.
+    for flag, expected_calls, n in ((True, 2, 8), (False, 1, 10)):  # two terms, or their sum
+        x = jnp.asarray(np.random.RandomState(0).rand(n))
+        calls = []
+
+        def counted(ctx, eqn, vals):
+            calls.append(eqn)
+            return neg(ctx, eqn, vals)
+
+        def fn(x):
+            return jnp.sum(-_pairs(x), axis=1)
+
+        _interpreter.register_rule(lax.neg_p, termwise=flag)(counted)
+        try:
+            np.testing.assert_allclose(
+                dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-12, atol=1e-12
+            )
+        finally:
+            registry[lax.neg_p] = neg
+        assert len(calls) == expected_calls, (flag, calls)
+
+
 def test_fft_field_is_jacfwds_program():
     """FFT, dense by nature: the transform of the identity leaves the walk nothing to
     save, and the Jacobian is `jax.jacfwd`'s own program, without the check for its NaNs
