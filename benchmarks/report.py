@@ -75,6 +75,7 @@ RERUN_KEYS = {
     "structure": ("field",),
     "stiff_peers": ("problem", "size"),
     "stiff_peers_quick": ("problem", "size"),
+    "stiff": ("problem",),
 }
 
 
