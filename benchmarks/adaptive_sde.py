@@ -49,6 +49,25 @@ paths; steps per path (accepted + rejected, mean over paths); vector-field evalu
 as one call; an upper bound for ours, whose structure engine also calls the diffusion while
 tracing, and an implicit solver's root-finder iterations count once).
 
+Batching, and what it costs each side. Every contender solves all paths in one jitted
+`jax.vmap` of `diffrax.diffeqsolve`, as a JAX user batches an ensemble (and as
+`dl.solve_ensemble` does within a chunk). A vmapped adaptive solve is one `while` loop that
+runs until its slowest path is done, every iteration costing the whole batch (JAX batches a
+loop by masking the paths already done: jax-ml/jax#2586), so by time an adaptive contender
+pays for the steps of its slowest path (`max_steps_path` in the JSON), not for the mean over
+paths (`steps`); and its step times, one per path, are arrays where a fixed-step batch shares
+scalar times across its paths (per-path gathers of the grid path, per-path masking of the
+loop's state). The fixed-step contenders take the same steps on every path and lose neither.
+This is a cost of adaptive steps in a vectorised ensemble, not of the benchmark's setup, so
+the times keep it: Julia's `EnsembleThreads` runs each trajectory's loop on its own (cost: the
+mean), its `EnsembleGPUArray` fuses the trajectories into one system with shared steps (cost:
+the steps of the hardest path, everywhere). Solving the paths one at a time in JAX
+(`jax.lax.map`, or `solve_ensemble(chunk_size=1)`) removes the lockstep but loses the
+vectorisation, and on these two-unknown SDEs costs more per path than the vmapped batch
+(several times more per step), so the batch is what a user would run. The ratios by steps
+per path (the mean, what each path needs on its own) are the lockstep-free comparison; the
+ratio of `max_steps_path` to `steps` of an adaptive row is what the lockstep adds to its time.
+
 Acceptance ratios, per problem, at the RMS error of ours adaptive at rtol `TARGET_RTOL`:
 cost(ours at the best fixed step) / cost(ours adaptive) (goal >= 2), cost(HalfSolver(ours)) /
 cost(ours adaptive) (goal >= 1.5), cost(ours adaptive) / cost(Diffrax's best adaptive)
@@ -567,7 +586,11 @@ TABLE_NOTE = (
     "rejected; a step of `HalfSolver(ours)` is three steps of ours); the first two are "
     "another's cost over ours adaptive (above 1: ours adaptive is cheaper), the last ours "
     "adaptive over Diffrax's cheapest adaptive solver at that error (below 1: ours is "
-    "cheaper). n/a: fewer than two tolerances of that contender solved every path (a failed "
+    "cheaper). By time, each contender's paths are solved in one `jax.vmap`ped solve: an "
+    "adaptive one runs until its slowest path is done, every iteration costing the whole "
+    "batch, so it pays for the steps of its slowest path (`max_steps_path` in the JSON) where "
+    "the steps per path are the mean over paths; fixed steps are the same on every path. "
+    "n/a: fewer than two tolerances of that contender solved every path (a failed "
     "root find inside `diffrax.HalfSolver` ends the solve), or there is no such contender "
     "(`HalfSolver` refuses the general-noise solvers). The last line of each SDE: ours "
     "with Diffrax's default I-controller over ours with its PI controller. SPaRK's "

@@ -67,19 +67,22 @@ def _choose(method: ContractionMethod, y0, m: int) -> str:
     return "jvp"
 
 
-def _double_sum_contract(diffusion, t0, y0, args, integrals, dW):
+def _double_sum_contract(diffusion, t0, y0, args, integrals, dW, g_dW):
     r"""$\sum_{j_1 j_2} (L^{j_1} g_{:, j_2}) I_{j_1 j_2}$ as one contraction of the
     materialised derivative `dg[i, j2, k]` with `g[k, j1]` and `I[j1, j2]`; and the same
     with $\Delta W_{j_1} \Delta W_{j_2}$ for $I$ (what the error estimate reads), from the
-    same `g` and `dg` rather than one more JVP through the diffusion."""
+    same `dg` and the step's `g_dW` $= g \Delta W$ rather than one more JVP through the
+    diffusion."""
     g = materialise(diffusion, t0, y0, args)  # (d, m)
     dg = vf_derivative(diffusion, t0, y0, args)  # (d, m, d)
     # Contract g with I first (d m^2 flops), then with dg (d^2 m flops): never d m m d.
     gi = g @ integrals  # [k, j2] = sum_{j1} g[k, j1] I[j1, j2]
     with jax.numpy_dtype_promotion("standard"):
         correction = jnp.einsum("ijk,kj->i", dg, gi)
-        # Under a constant step size nothing reads this and the compiler drops it.
-        sym = jnp.einsum("ijk,kj->i", dg, jnp.outer(g @ dW, dW))
+        # Under a constant step size nothing reads this and the compiler drops it. `g_dW`
+        # is the step's own product, so an adaptive step forms `g @ dW` once, not twice: a
+        # batched matrix product of its own in the loop of a `jax.vmap`ped solve.
+        sym = jnp.einsum("ijk,kj->i", dg, jnp.outer(g_dW, dW))
     return correction, sym
 
 
@@ -121,7 +124,10 @@ def _general_milstein_parts(
                 "array of shape `(d,)`; use `method='jvp'` (or `'auto'`) for PyTree states."
             )
         (y_leaf,) = leaves
-        correction, sym_prod = _double_sum_contract(diffusion, t0, y_leaf, args, integrals, dW)
+        (g_dW,) = jtu.tree_leaves(g0_prod)
+        correction, sym_prod = _double_sum_contract(
+            diffusion, t0, y_leaf, args, integrals, dW, g_dW
+        )
         correction = jtu.tree_unflatten(jtu.tree_structure(y0), [correction])
         sym_prod = jtu.tree_unflatten(jtu.tree_structure(y0), [sym_prod])
     else:
