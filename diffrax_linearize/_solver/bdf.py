@@ -206,6 +206,12 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
       $E_q < 1$; [`diffrax_linearize.PredictiveController`][] adds its prediction and
       `steady` band. The scaling uses the tolerances and norm of `root_finder`, which
       `diffrax.diffeqsolve` takes from the controller: leave them unset (the default).
+      Pass `diffrax.PIDController(rtol=..., atol=..., pcoeff=0.3, icoeff=0.4)`, Diffrax's
+      PI coefficients for stiff problems: they smooth the changes of $h$, which scipy
+      and CVODE smooth by holding $h$ for $q + 1$ steps. With the integral-only default,
+      orders 4 and 5 grow $h$ by up to 10 times at a step, and on Robertson's problem to
+      $t = 10^{10}$ at `rtol=1e-4, atol=1e-6` let the small concentrations drift below
+      zero, where the equations blow up (checked by the test suite).
     - **Fixed order** (`variable_order=False`): order `max_order` once the history has
       filled, so that Diffrax's step-size controller, which takes one static order, sees
       the order of the error estimate it controls. The first steps ramp up from order
@@ -257,7 +263,8 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         tolerances on smooth problems, but on Robertson's problem to $t = 10^{10}$ with
         `rtol=1e-4` order 5 lets the small components drift below zero, within `atol`,
         where the equations themselves blow up: use them with tight tolerances (a
-        variable order up to 4 or 5 drifts there too). A
+        variable order up to 4 or 5 drifts there too, unless its controller is the PI
+        one above). A
         [`diffrax_linearize.PredictiveController`][] with `steady=(0.9, 1.5)`, which
         keeps $h$ through moderate changes, helps the fixed order.
     - `variable_order`: `False` (the default) for a fixed order, `True` to choose the
