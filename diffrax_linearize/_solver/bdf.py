@@ -103,11 +103,13 @@ class BDFState(eqx.Module):
     **Arguments:**
 
     - `D`: the backward differences of the interpolating polynomial, for the step size
-        `h`, flattened (rows `0` to `order + 1` used; row 0 is the state).
+        `h`, flattened (rows `0` to `order + 2` used; row 0 is the state).
     - `h`: the size of the last accepted step.
-    - `order`: the order of the next step; it rises from 1 to the solver's `order`
-        while the history fills.
-    - `steps_at_order`: the accepted steps made at `order`.
+    - `order`: the order of the next step. It starts at 1; with `variable_order=False`
+        it rises to `max_order` while the history fills, with `variable_order=True` the
+        solver chooses it (1 to `max_order`).
+    - `steps_at_order`: the accepted steps made at `order` (since the order was last
+        considered, with `variable_order=True`).
     - `M_J`, `dM`: $M = I - c_J J$ and $-h_J J$ at the Jacobian's step, the structured
         operators of [`diffrax_linearize.materialise_operator`][], so that
         $I - c J = M_J + ((c - c_J)/h_J)\, dM$.
@@ -123,6 +125,8 @@ class BDFState(eqx.Module):
         factorisations and chord iterations (one linear solve and one evaluation of $f$
         each) of the accepted steps and of `init`; a rejected step's state is discarded
         by Diffrax, so its work is not counted.
+    - `num_steps_by_order`: the accepted steps made at each order, orders 1 to 5 (entry
+        `i` for order `i + 1`).
     """
 
     D: Any
@@ -141,6 +145,7 @@ class BDFState(eqx.Module):
     num_jacobians: Any
     num_factorisations: Any
     num_newton_iterations: Any
+    num_steps_by_order: Any
 
 
 class _BDFInterpolation(AbstractLocalInterpolation):
@@ -171,7 +176,7 @@ class _BDFInterpolation(AbstractLocalInterpolation):
 
 
 class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
-    r"""A fixed-order BDF (or NDF) method for large stiff ODEs, which keeps its Jacobian
+    r"""A BDF (or NDF) method for large stiff ODEs, which keeps its Jacobian
     and the factorisation of its Newton matrix across steps: most steps evaluate no
     Jacobian, factor nothing and make one or two linear solves, as CVODE, scipy's `BDF`
     and OrdinaryDiffEq.jl's `FBDF` do. Against [`diffrax_linearize.ROS34PW2`][] (four
@@ -185,13 +190,36 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
     iteration with the factorisation of $I - c_W J$; the error estimate is
     $(\kappa_q \gamma_q + 1/(q+1))\,(y - y^{(0)})$, of order $q + 1$.
 
-    - **Order:** fixed, `max_order` (1 to 5), so that Diffrax's step-size controller, which
-      takes one static order, sees the order of the error estimate it controls. The
-      first steps ramp up from order 1, one order after $q + 1$ steps at order $q$, as
-      the history fills (and again after a jump, `made_jump`); the controller then
-      assumes order `max_order` for estimates of a lower order, and reacts less than it
-      should: a few more steps and rejections at the start, never a wrong acceptance,
-      since a step is accepted only when the estimate is below the tolerance.
+    - **Variable order** (`variable_order=True`): the order is chosen as scipy's `BDF`
+      and CVODE choose it. A solve starts at order 1 (and starts again there after a
+      jump, `made_jump`); after $q + 1$ steps at order $q$, the scaled errors $E_{q-1}$,
+      $E_q$ and $E_{q+1}$ that orders $q - 1$, $q$ and $q + 1$ would have made (from the
+      differences of orders $q$ and $q + 2$; the last step's correction is rescaled when
+      $h$ changes, as CVODE does, since Diffrax's controllers change $h$ at every step)
+      give the step-size factors $E_k^{-1/(k+1)}$, and the next step takes the order
+      with the largest. The solver carries its choice in its state and passes the step
+      size it proposes to the controller through the error it returns: the order-$q$
+      error, rescaled so that its scaled norm is the inverse of the proposed factor
+      (`error_order` is then 1). Any Diffrax adaptive controller follows it:
+      `diffrax.PIDController` with its default coefficients takes scipy's step size
+      ($0.9$ times the factor, clipped to $[0.2, 10]$), and accepts a step exactly when
+      $E_q < 1$; [`diffrax_linearize.PredictiveController`][] adds its prediction and
+      `steady` band. The scaling uses the tolerances and norm of `root_finder`, which
+      `diffrax.diffeqsolve` takes from the controller: leave them unset (the default).
+      Pass `diffrax.PIDController(rtol=..., atol=..., pcoeff=0.3, icoeff=0.4)`, Diffrax's
+      PI coefficients for stiff problems: they smooth the changes of $h$, which scipy
+      and CVODE smooth by holding $h$ for $q + 1$ steps. With the integral-only default,
+      orders 4 and 5 grow $h$ by up to 10 times at a step, and on Robertson's problem to
+      $t = 10^{10}$ at `rtol=1e-4, atol=1e-6` let the small concentrations drift below
+      zero, where the equations blow up (checked by the test suite).
+    - **Fixed order** (`variable_order=False`): order `max_order` once the history has
+      filled, so that Diffrax's step-size controller, which takes one static order, sees
+      the order of the error estimate it controls. The first steps ramp up from order
+      1, one order after $q + 1$ steps at order $q$, as the history fills (and again
+      after a jump); the controller then assumes order `max_order` for estimates of a
+      lower order, and reacts less than it should: a few more steps and rejections at
+      the start, never a wrong acceptance, since a step is accepted only when the
+      estimate is below the tolerance.
     - **Jacobian and factorisation:** the Jacobian (from
       [`diffrax_linearize.materialise_operator`][], block-diagonal, banded or sparse as
       the vector field is; factored by `linear_solver`) is evaluated at the predictor
@@ -226,16 +254,21 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
     **Arguments:**
 
-    - `max_order`: the order $q$ of the method once its history has filled, 1 to 5; 3
-        by default. Orders 1 and 2 are A-stable; higher orders lose stability near the
-        imaginary axis, and, more to the point here, stability under changes of the
-        step size: scipy and CVODE change $h$ only after $q + 1$ steps of one size,
-        where Diffrax's controllers change it at every step. Orders 4 and 5 take fewer
-        steps at tight tolerances on smooth problems, but on Robertson's problem to
-        $t = 10^{10}$ with `rtol=1e-4` order 5 lets the small components drift below
-        zero, within `atol`, where the equations themselves blow up: use them with
-        tight tolerances. A [`diffrax_linearize.PredictiveController`][] with
-        `steady=(0.9, 1.5)`, which keeps $h$ through moderate changes, helps.
+    - `max_order`: the order $q$ of the method once its history has filled (the highest
+        order it may choose, with `variable_order=True`), 1 to 5; 3 by default. Orders
+        1 and 2 are A-stable; higher orders lose stability near the imaginary axis,
+        and, more to the point here, stability under changes of the step size: scipy
+        and CVODE change $h$ only after $q + 1$ steps of one size, where Diffrax's
+        controllers change it at every step. Orders 4 and 5 take fewer steps at tight
+        tolerances on smooth problems, but on Robertson's problem to $t = 10^{10}$ with
+        `rtol=1e-4` order 5 lets the small components drift below zero, within `atol`,
+        where the equations themselves blow up: use them with tight tolerances (a
+        variable order up to 4 or 5 drifts there too, unless its controller is the PI
+        one above). A
+        [`diffrax_linearize.PredictiveController`][] with `steady=(0.9, 1.5)`, which
+        keeps $h$ through moderate changes, helps the fixed order.
+    - `variable_order`: `False` (the default) for a fixed order, `True` to choose the
+        order of each step (see above).
     - `ndf`: `True` (the default) for Shampine & Reichelt's NDF coefficients (as
         scipy's `BDF`), `False` for the plain BDF (as CVODE and `FBDF`).
     - `linear_solver`: the `lineax` solver that factors $I - c J$;
@@ -271,6 +304,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
     max_order: int = eqx.field(static=True, default=3)
     ndf: bool = eqx.field(static=True, default=True)
+    variable_order: bool = eqx.field(static=True, default=False)
     linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
     root_finder: optx.AbstractRootFinder = VeryChord()
     root_find_max_steps: int = eqx.field(static=True, default=4)
@@ -312,7 +346,8 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
     # the BDF's estimate is its local error, one order higher, and the controller's
     # exponent must be 1/(q + 1) as scipy's.
     def error_order(self, terms):
-        return self.max_order + 1
+        # With a variable order the error is returned normalised to order 1 (see `step`).
+        return 1 if self.variable_order else self.max_order + 1
 
     def func(self, terms, t0, y0, args):
         return terms.vf(t0, y0, args)
@@ -361,6 +396,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             num_jacobians=one,
             num_factorisations=one,
             num_newton_iterations=zero,
+            num_steps_by_order=jnp.zeros(_MAX_ORDER, jnp.int32),
         )
 
     def _chord(self, g, t1, y_predict, psi, alpha_q, solve, c, c_W, rate0, scale):
@@ -423,6 +459,47 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         k, y, d, _, rate, converged, _ = jax.lax.while_loop(cond, body, init)
         return converged, k, y, d, rate
 
+    def _choose_order(self, q, steps_at_order, error, D_new, y0, y1, unravel, error_const):
+        r"""The order of the next step, and the error normalised to order 1, as scipy's
+        `BDF._step_impl` chooses them: after $q + 1$ steps at order $q$, the scaled
+        errors $E_{q-1}$, $E_q$, $E_{q+1}$ of the orders around $q$ (from the differences
+        $D_q$ and $D_{q+2}$) give the step-size factors $E_k^{-1/(k+1)}$, and the order
+        allowing the largest step is taken. The error returned is the order-$q$ error
+        rescaled so that its scaled norm is the inverse of the chosen factor (of the
+        factor of order $q$ between choices, or when the step fails): a controller of
+        error order 1 then proposes scipy's step size, accepts exactly when $E_q < 1$,
+        and needs no access to the solver's state."""
+        K = self.max_order
+        dtype = y1.dtype
+        norm, rtol, atol = self.root_finder.norm, self.root_finder.rtol, self.root_finder.atol
+        with jax.numpy_dtype_promotion("standard"):
+            # The scale of `diffrax.PIDController` and `PredictiveController`, so that a
+            # controller sees exactly the normalised error computed here.
+            scale = (atol + rtol * jnp.maximum(jnp.abs(y0), jnp.abs(y1))).astype(dtype)
+
+        def scaled(v):
+            return jnp.asarray(norm(unravel(v / scale))).astype(dtype)
+
+        inf = jnp.asarray(jnp.inf, dtype)
+        e_q = scaled(error)
+        e_m = jnp.where(q > 1, scaled(error_const[jnp.maximum(q - 1, 0)] * D_new[q]), inf)
+        e_p = jnp.where(
+            q < K,
+            scaled(error_const[jnp.minimum(q + 1, K)] * D_new[jnp.minimum(q + 2, K + 1)]),
+            inf,
+        )
+        orders = (q + jnp.arange(-1, 2)).astype(dtype)
+        with jax.numpy_dtype_promotion("standard"):
+            factors = jnp.stack([e_m, e_q, e_p]) ** (-1 / (orders + 1))
+        consider = (steps_at_order >= q + 1) & (e_q < 1)
+        best = jnp.argmax(factors)  # the lowest order of equal factors, as scipy's
+        q_next = jnp.where(consider, q + best - 1, q)
+        normalised = 1 / jnp.where(consider, factors[best], factors[1])
+        # A zero error stays zero; an infinite one (a failed step) infinite.
+        ratio = jnp.where((e_q > 0) & jnp.isfinite(e_q), normalised / e_q, 1)
+        steps_at_order = jnp.where(consider, 0, steps_at_order)
+        return q_next, steps_at_order, error * ratio
+
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
         _check_ode(self, terms, t0, t1)
         st = solver_state
@@ -442,7 +519,14 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         history = [flat0, slope, *st.D[2:]]
         rows = jnp.arange(K + 2)
         rescale = jnp.eye(K + 2, dtype=dtype)
-        rescale = rescale.at[: K + 1, : K + 1].set(_rescale_weights(st.order, h / st.h, K))
+        factor = h / st.h
+        rescale = rescale.at[: K + 1, : K + 1].set(_rescale_weights(st.order, factor, K))
+        # Row q + 1 is the last step's correction, of size h^(q+1) y^(q+1): rescaled to
+        # leading order, as CVODE rescales its saved correction, so that the estimate of
+        # order q + 1 (from its difference with this step's) holds when h changes between
+        # steps, as Diffrax's controllers change it. No other row reads it.
+        diag_next = (rows == st.order + 1)[:, None] & (rows == st.order + 1)[None, :]
+        rescale = jnp.where(diag_next, factor ** (st.order + 1).astype(dtype), rescale)
         rescale = jnp.where(made_jump, jnp.diag((rows <= 1).astype(dtype)), rescale)
         q = jnp.where(made_jump, 1, st.order).astype(jnp.int32)
         steps_at_order = jnp.where(made_jump, 0, st.steps_at_order).astype(jnp.int32)
@@ -507,25 +591,39 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         result = RESULTS.where(converged, RESULTS.successful, RESULTS.nonlinear_divergence)
 
         # The differences of the new polynomial (scipy's update): D_{q+1} = d and
-        # D_i += D_{i+1} for i = q, ..., 1, that is D_i + ... + D_q + d, and D_0 = y1; as
-        # weights on the old history (through the rescaling), on d and on y1.
+        # D_i += D_{i+1} for i = q, ..., 1, that is D_i + ... + D_q + d, and D_0 = y1; and
+        # D_{q+2} = d - D_{q+1}, the difference of order q + 2 (for the estimate of order
+        # q + 1; no step reads it otherwise); as weights on the old history (through the
+        # rescaling), on d and on y1.
         cols = rows.T
         update = jnp.where(
-            rows <= q, (rows >= 1) & (rows <= cols) & (cols <= q), (rows == cols) & (rows > q + 1)
+            rows <= q,
+            ((rows >= 1) & (rows <= cols) & (cols <= q)).astype(dtype),
+            jnp.where(
+                rows == q + 2,
+                -(cols == q + 1).astype(dtype),
+                ((rows == cols) & (rows > q + 2)).astype(dtype),
+            ),
         )
-        on_d = (rows >= 1) & (rows <= q + 1)
+        on_d = (rows >= 1) & (rows <= q + 2)
         update = jnp.concatenate(
-            [_matmul(update.astype(dtype), rescale), on_d.astype(dtype), (rows == 0).astype(dtype)],
-            axis=1,
+            [_matmul(update, rescale), on_d.astype(dtype), (rows == 0).astype(dtype)], axis=1
         )
         D_new = _combine(update, [*history, d, y1])
         steps_at_order = steps_at_order + 1
-        raise_order = (steps_at_order >= q + 1) & (q < K)
+        if self.variable_order:
+            q_next, steps_at_order, error = self._choose_order(
+                q, steps_at_order, error, D_new, flat0, y1, unravel, error_const
+            )
+        else:
+            raise_order = (steps_at_order >= q + 1) & (q < K)
+            q_next = jnp.where(raise_order, q + 1, q)
+            steps_at_order = jnp.where(raise_order, 0, steps_at_order)
         new_state = BDFState(
             D=D_new,
             h=h,
-            order=jnp.where(raise_order, q + 1, q).astype(jnp.int32),
-            steps_at_order=jnp.where(raise_order, 0, steps_at_order).astype(jnp.int32),
+            order=q_next.astype(jnp.int32),
+            steps_at_order=steps_at_order.astype(jnp.int32),
             M_J=M_J,
             dM=dM,
             h_J=h_J,
@@ -538,6 +636,8 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             num_jacobians=st.num_jacobians + (refresh | retry).astype(jnp.int32),
             num_factorisations=st.num_factorisations + (refactor | retry).astype(jnp.int32),
             num_newton_iterations=st.num_newton_iterations + iters,
+            num_steps_by_order=st.num_steps_by_order
+            + (jnp.arange(1, _MAX_ORDER + 1) == q).astype(jnp.int32),
         )
         dense_info = dict(y0=y0, D=D_new, order=q)
         return unravel(y1), unravel(error), dense_info, new_state, result
