@@ -451,6 +451,32 @@ def test_ito_milstein_correction_leaves_simple_noise_to_the_jvp(name):
     assert _term_module.ito_milstein_correction(diffusion, 0.3, y, None, g_prod, dw, 0.1) is None
 
 
+@pytest.mark.parametrize("by_product", [False, True], ids=["reduction", "product_with_ones"])
+def test_sum_of_squares_both_ways(by_product, monkeypatch):
+    # The trace term of g_ij = y_i G_ij, y_i sum_j G_ij^2, is a product with ones for G of
+    # a middling size and a reduction otherwise: both against the dense jacfwd references.
+    size = np.size(_B_GENERAL[:, :, 0])
+    window = (size - 1, size) if by_product else (size, 2 * size)
+    monkeypatch.setattr(_term_module, "_SQUARES_BY_PRODUCT", window)
+    vf, shape = DIFFUSIONS["row_scaled_linear"]
+    m = int(np.prod(shape))
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    got = milstein_module.ito_trace_term(diffusion, 0.3, y, None)
+    np.testing.assert_allclose(got, _dense_trace(vf, y, m), rtol=1e-13, atol=1e-14)
+    # Which branch was taken, with G an argument (a closed-over G is summed in NumPy).
+    row_scaled = dfx.ControlTerm(lambda t, y, G: y[:, None] * G, _vbt(shape, jr.key(0)))
+    trace = lambda G: milstein_module.ito_trace_term(row_scaled, 0.3, y, G)  # noqa: E731
+    assert ("reduce_sum" in str(jax.make_jaxpr(trace)(_B_GENERAL[:, :, 0]))) != by_product
+    np.testing.assert_allclose(trace(_B_GENERAL[:, :, 0]), got, rtol=1e-13, atol=1e-14)
+    dw, dt = jr.normal(jr.key(1), (m,)), 0.05
+    g_prod = diffusion.prod(vf(0.3, y, None), dw)
+    got = _term_module.ito_milstein_correction(diffusion, 0.3, y, None, g_prod, dw, dt)
+    expected = _dense_correction(vf, y, m, dw, dt)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+    assert np.max(np.abs(expected)) > 1e-3
+
+
 def test_ito_milstein_correction_pytree():
     diffusion = dfx.ControlTerm(_vf_tree, _DictBrownianPath(_vbt((3,), jr.key(0))))
     y = {"a": jnp.array([0.8, -0.5]), "b": jnp.array([1.2, 0.3, -0.7])}
