@@ -11,6 +11,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.flatten_util as jfu
 import jax.lax as lax
 import jax.numpy as jnp
 import lineax as lx
@@ -191,6 +192,109 @@ class _BlockTridiagonalLU(_State):
         return jnp.reshape(x, self.operator.in_structure().shape), lx.RESULTS.successful, {}
 
 
+def _givens(a, b):
+    """The rotation `[[c, s], [-conj(s), c]]` (`c` real) taking `(a, b)` to `(r, 0)`."""
+    real = jnp.finfo(jnp.result_type(a)).dtype
+    r = jnp.sqrt(jnp.abs(a) ** 2 + jnp.abs(b) ** 2)
+    zero_a = jnp.abs(a) == 0
+    safe_abs_a = jnp.where(zero_a, 1, jnp.abs(a))
+    safe_r = jnp.where(r == 0, 1, r)
+    phase = jnp.where(zero_a, 1, a / safe_abs_a)
+    c = jnp.where(zero_a, 0, jnp.abs(a) / safe_r).astype(real)
+    s = jnp.where(zero_a, 1, phase * jnp.conj(b) / safe_r)
+    return c, s.astype(jnp.result_type(a)), jnp.where(zero_a, b, phase * r)
+
+
+def _gmres(mv, b, target, restart: int, max_iters: int):
+    """Restarted GMRES for `B v = b` (flat vectors), stopping when the root mean square of
+    the residual `b - B v` is at most `target`. Returns `(v, iterations, result)`.
+
+    Arnoldi by modified Gram-Schmidt; the least-squares problem is kept triangular by
+    Givens rotations, which give the residual's norm at every iteration, so a solve stops
+    at the first iteration that meets `target` (lineax's `GMRES` checks once per cycle of
+    `restart` iterations, and wants two cycles). The true residual is recomputed after
+    each cycle: a cycle ends early on the estimate, a solve only on the true residual."""
+    n = b.size
+    m = min(restart, n)
+    dtype = b.dtype
+    tol2 = target * math.sqrt(n)  # on the 2-norm
+    idx = jnp.arange(m)
+
+    def cycle(v0, r, beta, iters):
+        V = jnp.zeros((m + 1, n), dtype).at[0].set(r / beta.astype(dtype))
+        H = jnp.zeros((m + 1, m), dtype)
+        cs = jnp.zeros((m,), beta.dtype)
+        sn = jnp.zeros((m,), dtype)
+        g = jnp.zeros((m + 1,), dtype).at[0].set(beta.astype(dtype))
+
+        def cond(carry):
+            j, _, _, _, _, _, done = carry
+            return (j < m) & ~done & (iters + j < max_iters)
+
+        def body(carry):
+            j, V, H, cs, sn, g, _ = carry
+            w = mv(V[j])
+            w_norm = jnp.linalg.norm(w)
+
+            def orthogonalise(i, carry):
+                w, h = carry
+                hij = jnp.vdot(V[i], w)
+                return w - hij * V[i], h.at[i].set(hij)
+
+            w, h = lax.fori_loop(0, j + 1, orthogonalise, (w, jnp.zeros((m + 1,), dtype)))
+            h_next = jnp.linalg.norm(w)
+            # An invariant subspace (lucky breakdown): the solution lies in it.
+            breakdown = h_next <= jnp.finfo(beta.dtype).eps * w_norm
+            V = V.at[j + 1].set(jnp.where(breakdown, 0, w / jnp.where(breakdown, 1, h_next)))
+            h = h.at[j + 1].set(h_next.astype(dtype))
+
+            def rotate(i, h):
+                a, b = h[i], h[i + 1]
+                return (
+                    h.at[i]
+                    .set(cs[i] * a + sn[i] * b)
+                    .at[i + 1]
+                    .set(cs[i] * b - jnp.conj(sn[i]) * a)
+                )
+
+            h = lax.fori_loop(0, j, rotate, h)
+            c, s, rjj = _givens(h[j], h[j + 1])
+            h = h.at[j].set(rjj).at[j + 1].set(0)
+            g = g.at[j + 1].set(-jnp.conj(s) * g[j]).at[j].set(c * g[j])
+            H = H.at[:, j].set(h)
+            done = breakdown | (jnp.abs(g[j + 1]) <= tol2)
+            return j + 1, V, H, cs.at[j].set(c), sn.at[j].set(s), g, done
+
+        init = (jnp.array(0), V, H, cs, sn, g, jnp.array(False))
+        j, V, H, _, _, g, _ = lax.while_loop(cond, body, init)
+        # The columns not reached are the identity's, with zeros on the right.
+        used = idx < j
+        R = jnp.where(used[None, :], H[:m], jnp.eye(m, dtype=dtype))
+        y = jax.scipy.linalg.solve_triangular(R, jnp.where(used, g[:m], 0), lower=False)
+        v = v0 + jnp.tensordot(y, V[:m], axes=1, precision=lax.Precision.HIGHEST)
+        return v, j
+
+    def outer_cond(carry):
+        _, _, r_norm, iters, _, stalled = carry
+        return (r_norm > tol2) & (iters < max_iters) & (stalled < 3) & jnp.isfinite(r_norm)
+
+    def outer_body(carry):
+        v, r, r_norm, iters, best, stalled = carry
+        v, j = cycle(v, r, r_norm, iters)
+        r = b - mv(v)
+        r_norm = jnp.linalg.norm(r)
+        stalled = jnp.where(r_norm < best, 0, stalled + 1)
+        return v, r, r_norm, iters + j, jnp.minimum(best, r_norm), stalled
+
+    b_norm = jnp.linalg.norm(b)
+    init = (jnp.zeros_like(b), b, b_norm, jnp.array(0), b_norm, jnp.array(0))
+    v, _, r_norm, iters, _, stalled = lax.while_loop(outer_cond, outer_body, init)
+    result = lx.RESULTS.where(r_norm <= tol2, lx.RESULTS.successful, lx.RESULTS.max_steps_reached)
+    result = lx.RESULTS.where((r_norm > tol2) & (stalled >= 3), lx.RESULTS.stagnation, result)
+    result = lx.RESULTS.where(jnp.isfinite(r_norm), result, lx.RESULTS.breakdown)
+    return v, iters, result
+
+
 class _Krylov(_State):
     # Jacobi by default, held as the inverse diagonal (an array), not as a
     # `lineax.FunctionLinearOperator`: a W-method carries this state from step to step
@@ -198,30 +302,60 @@ class _Krylov(_State):
     # closure-converted jaxpr is not one).
     inverse_diagonal: Array | None
     preconditioner: lx.AbstractLinearOperator | None
-    gmres: lx.GMRES = eqx.field(static=True)
+    solver: "StructuredLinearSolver" = eqx.field(static=True)
 
     def solve(self, vector, options):
-        # GMRES iterates in the input's structure: an output of another shape (same size)
-        # is read as one of the input's.
         structure = self.operator.in_structure()
-        op = self.operator
-        if op.out_structure() != structure:
-            op = lx.FunctionLinearOperator(
-                lambda v: jnp.reshape(self.operator.mv(v), structure.shape), structure
-            )
-        vector = jnp.reshape(vector, structure.shape)
-        preconditioner = self.preconditioner
-        if preconditioner is None:
-            inv_d = self.inverse_diagonal
-            preconditioner = lx.FunctionLinearOperator(lambda v: v * inv_d, structure)
-        opts = {"preconditioner": preconditioner, **options}
-        # GMRES's scale is per entry, `atol + rtol |b_i|`: where `b_i` is zero it is `atol`
-        # alone, but the residual cannot fall below the rounding of the other entries,
-        # about `resolution |b|` (float32 stagnates at an `atol` of 1e-10).
-        floor = resolution(vector.dtype) * jnp.max(jnp.abs(vector), initial=0)
-        gmres = eqx.tree_at(lambda g: g.atol, self.gmres, jnp.maximum(self.gmres.atol, floor))
-        state = gmres.init(op, opts)
-        return gmres.compute(state, vector, opts)
+        shape = structure.shape
+        solver = self.solver
+        b = jnp.reshape(vector, (-1,))
+        dtype = jnp.result_type(b, structure.dtype)
+        b = b.astype(dtype)
+        res = resolution(dtype)
+
+        def A(x):
+            return jnp.reshape(self.operator.mv(jnp.reshape(x, shape)), (-1,)).astype(dtype)
+
+        def P(v):
+            if self.preconditioner is None:
+                return jnp.reshape(self.inverse_diagonal, (-1,)) * v
+            return jnp.reshape(self.preconditioner.mv(jnp.reshape(v, shape)), (-1,)).astype(dtype)
+
+        rhs = b
+        y0 = options.get("y0")
+        if y0 is not None:
+            y0 = jnp.reshape(y0, (-1,)).astype(dtype)
+            b = b - A(y0)
+        # The residual is weighted entry by entry and measured by its root mean square, as
+        # CVODE measures it: by the caller's scale (its error weights) against a fraction
+        # of the caller's tolerance, or by GMRES's own `atol + rtol |b_i|` against 1.
+        if "scale" in options and "tolerance" in options:
+            weights = 1 / jfu.ravel_pytree(options["scale"])[0].astype(dtype).real
+            target = solver.linear_fraction * jnp.asarray(options["tolerance"]).real
+            # No finer than rounding of the weighted right-hand side.
+            rms_b = jnp.linalg.norm(weights * rhs) / math.sqrt(b.size)
+            target = jnp.maximum(target.astype(rms_b.dtype), res * rms_b)
+        else:
+            # Where `b_i` is zero the scale is `atol` alone, but the residual cannot fall
+            # below the rounding of the other entries, about `resolution |b|` (float32
+            # stagnates at an `atol` of 1e-10).
+            floor = res * jnp.max(jnp.abs(rhs), initial=0)
+            atol = jnp.maximum(solver.atol, floor)
+            weights = 1 / (atol + max(solver.rtol, res) * jnp.abs(rhs))
+            target = jnp.ones((), weights.dtype)
+        # Right-preconditioned and scaled: B = W A P W^{-1}, v = W P^{-1} x, so that the
+        # residual GMRES minimises is the weighted one.
+        weights = weights.astype(dtype)
+
+        def B(v):
+            return weights * A(P(v / weights))
+
+        max_iters = 10 * b.size if solver.max_steps is None else solver.max_steps
+        v, iters, result = _gmres(B, weights * b, target, solver.restart, max_iters)
+        x = P(v / weights)
+        if y0 is not None:
+            x = x + y0
+        return jnp.reshape(x, shape), result, {"num_steps": iters}
 
 
 class _Delegate(_State):
@@ -273,8 +407,21 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
     diagonally dominant matrices, such as the `I - h γ J` of an implicit step of a
     diffusion-dominated problem, and may lose accuracy otherwise.
 
-    The GMRES path is iterative: it stops at the tolerances below, and reports failure
-    (`lineax.RESULTS`) if it does not converge.
+    The GMRES path is iterative (right-preconditioned, restarted every `restart`
+    iterations, the residual checked at every iteration): it stops at the tolerances
+    below, and reports failure (`lineax.RESULTS`) if it does not converge. A caller that
+    knows what accuracy it needs (an integrator's Newton or chord iteration) passes it in
+    lineax's `options`, as CVODE's integrator tells its Krylov solver:
+
+    - `options["scale"]`, of the vector's structure (positive), and `options["tolerance"]`,
+      a scalar: GMRES stops when the root mean square of `residual / scale` is at most
+      `linear_fraction * tolerance`. [`diffrax_linearize.BDF`][],
+      [`diffrax_linearize.VeryChord`][] and [`diffrax_linearize.Newton`][] pass their
+      error weights (`atol + rtol |y|`) as `scale` and their convergence tolerance (a
+      fraction of the step's error tolerance) as `tolerance`, so that a linear solve
+      makes a few iterations, not the many that `rtol` asks.
+
+    Without them GMRES meets `rtol` and `atol`. The direct factorisations ignore both.
     """
 
     rtol: float
@@ -282,6 +429,7 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
     restart: int
     max_steps: int | None
     dense_below: int
+    linear_fraction: float
 
     def __init__(
         self,
@@ -290,6 +438,7 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
         restart: int = 20,
         max_steps: int | None = None,
         dense_below: int = DENSE_BELOW,
+        linear_fraction: float = 0.05,
     ):
         """**Arguments:**
 
@@ -303,21 +452,27 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
 
         The others are used by the GMRES path only; the factorisations are direct.
 
-        - `rtol`, `atol`: GMRES stops when the residual is below `atol + rtol * |b|`
-          (lineax's `GMRES` convention, in the max norm). Tolerances below the resolution
-          of the operator's dtype (1e-5 in float32) are raised to it: `rtol` to it, `atol`
-          to it times `max |b|`.
+        - `rtol`, `atol`: without a caller's tolerance in `options`, GMRES stops when the
+          root mean square of `residual_i / (atol + rtol |b_i|)` is at most 1. Tolerances
+          below the resolution of the operator's dtype (1e-5 in float32) are raised to it:
+          `rtol` to it, `atol` to it times `max |b|`.
         - `restart`: the Krylov subspace size before a restart.
-        - `max_steps`: the most GMRES iterations, or `None` for no limit.
+        - `max_steps`: the most GMRES iterations, or `None` for `10 n` (`n` unknowns).
+        - `linear_fraction`: with a caller's `options["scale"]` and
+          `options["tolerance"]`, GMRES stops when the root mean square of
+          `residual / scale` is at most `linear_fraction * tolerance` (no finer than the
+          dtype resolves); 0.05 by default, CVODE's `epslin`: a Newton correction then
+          errs by a twentieth of what the Newton iteration tolerates.
         """
         self.rtol = rtol
         self.atol = atol
         self.restart = restart
         self.max_steps = max_steps
         self.dense_below = dense_below
+        self.linear_fraction = linear_fraction
 
     def __check_init__(self):
-        for name in ("rtol", "atol"):
+        for name in ("rtol", "atol", "linear_fraction"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"`{_API}`: `{name}` must be a non-negative number.")
@@ -518,15 +673,9 @@ def _factor_sparse(operator, rows, cols, values, diagonal, solver, options):
     d = diagonal
     inv_d = jnp.reshape(jnp.where(d == 0, 1, 1 / jnp.where(d == 0, 1, d)), structure.shape)
     preconditioner = options.get("preconditioner")
-    gmres = lx.GMRES(
-        rtol=max(solver.rtol, resolution(values.dtype)),
-        atol=solver.atol,
-        restart=solver.restart,
-        max_steps=solver.max_steps,
-    )
     if preconditioner is not None:
         inv_d = None
-    return _Krylov(operator, inv_d, preconditioner, gmres)
+    return _Krylov(operator, inv_d, preconditioner, solver)
 
 
 @_factor.register(SparseLinearOperator)

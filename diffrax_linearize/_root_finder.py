@@ -76,18 +76,28 @@ def _initial_state(y, linear_state) -> _ChordState:
     )
 
 
+def _scale(solver, y):
+    with jax.numpy_dtype_promotion("standard"):
+        return jtu.tree_map(
+            lambda v: solver.atol + jnp.maximum(solver.rtol, resolution(v.dtype)) * jnp.abs(v), y
+        )
+
+
 def _update(solver, y, fx, jac, linear_state, state: _ChordState):
+    # An iterative linear solver needs to be only as accurate as the iteration's tests,
+    # `kappa` in the norm of the scaled update (lineax takes no derivative through
+    # `options`).
+    options = lax.stop_gradient(dict(scale=_scale(solver, y), tolerance=solver.kappa))
     if linear_state is None:  # Newton: factored here
-        sol = lx.linear_solve(jac, fx, solver.linear_solver, throw=False)
+        sol = lx.linear_solve(jac, fx, solver.linear_solver, options=options, throw=False)
     else:
-        sol = lx.linear_solve(jac, fx, solver.linear_solver, state=linear_state, throw=False)
+        sol = lx.linear_solve(
+            jac, fx, solver.linear_solver, options=options, state=linear_state, throw=False
+        )
     diff = sol.value
     new_y = jtu.tree_map(lambda a, b: a - b, y, diff)
+    scale = _scale(solver, new_y)
     with jax.numpy_dtype_promotion("standard"):
-        scale = jtu.tree_map(
-            lambda v: solver.atol + jnp.maximum(solver.rtol, resolution(v.dtype)) * jnp.abs(v),
-            new_y,
-        )
         diffsize = solver.norm(jtu.tree_map(lambda d, s: d / s, diff, scale))
     new_state = _ChordState(
         linear_state=state.linear_state,

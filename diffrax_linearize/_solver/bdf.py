@@ -399,6 +399,15 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             num_steps_by_order=jnp.zeros(_MAX_ORDER, jnp.int32),
         )
 
+    def _chord_tolerance(self, dtype):
+        # scipy's: the distance to the solution the chord iteration stops at, in `norm` of
+        # the scaled error.
+        rtol = self.root_finder.rtol
+        eps = float(jnp.finfo(dtype).eps)
+        with jax.numpy_dtype_promotion("standard"):
+            tol = jnp.maximum(10 * eps / rtol, jnp.minimum(self.root_finder.kappa, rtol**0.5))
+            return jnp.asarray(tol).astype(dtype)
+
     def _chord(self, g, t1, y_predict, psi, alpha_q, solve, c, c_W, rate0, scale):
         """The chord iteration on the corrector, as scipy's `solve_bdf_system` (with
         CVODE's first-iteration test from the previous rate). Returns whether it
@@ -406,11 +415,8 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         predictor, and the last rate."""
         dtype = y_predict.dtype
         norm = self.root_finder.norm
-        rtol = self.root_finder.rtol
-        eps = float(jnp.finfo(dtype).eps)
+        tol = self._chord_tolerance(dtype)
         with jax.numpy_dtype_promotion("standard"):
-            tol = jnp.maximum(10 * eps / rtol, jnp.minimum(self.root_finder.kappa, rtol**0.5))
-            tol = jnp.asarray(tol).astype(dtype)
             # With the matrix of c_W for a step of c: the best single scale between the
             # stiff limit (c_W / c) and the non-stiff one (1), as CVODE's 2 / (1 + gamrat).
             boost = (2 / (1 + c / c_W)).astype(dtype)
@@ -564,8 +570,15 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         def attempt(M_J, dM, h_J, c_J, c_W, factorisation, rate0):
             M = operator(M_J, dM, h_J, c_J, c_W)
 
+            # An iterative linear solver needs to be only as accurate as the chord iteration
+            # (lineax takes no derivative through `options`).
+            tol = self._chord_tolerance(dtype)
+            options = jax.lax.stop_gradient(dict(scale=scale, tolerance=tol))
+
             def solve(b):
-                return lx.linear_solve(M, b, self.linear_solver, state=factorisation, throw=False)
+                return lx.linear_solve(
+                    M, b, self.linear_solver, options=options, state=factorisation, throw=False
+                )
 
             return self._chord(g, t1, y_predict, psi, alpha_q, solve, c, c_W, rate0, scale)
 

@@ -1,0 +1,189 @@
+"""The GMRES path of `StructuredLinearSolver`: each iterate is GMRES's (the least residual
+over the Krylov subspace, against a least-squares reference), a caller's tolerance in
+`options` is met with fewer iterations, and an integrator passing its tolerance keeps its
+solution (BDF against the same solver with exact LU)."""
+
+import diffrax
+import diffrax_linearize as dl
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import pytest
+from diffrax_linearize import _linear_solver
+
+
+def _brusselator(n):
+    def field(y):
+        u, v = y.reshape(2, n, n)
+
+        def lap(w):
+            rolled = sum(jnp.roll(w, s, axis) for s in (1, -1) for axis in (0, 1))
+            return 0.02 * (n - 1) ** 2 * (rolled - 4 * w)
+
+        du = 1 + u * u * v - 4.4 * u + lap(u)
+        dv = 3.4 * u - u * u * v + lap(v)
+        return jnp.concatenate([du.ravel(), dv.ravel()])
+
+    x = jnp.linspace(0, 1, n)
+    X, Y = jnp.meshgrid(x, x)
+    y0 = jnp.concatenate([(22 * (Y * (1 - Y)) ** 1.5).ravel(), (27 * (X * (1 - X)) ** 1.5).ravel()])
+    return field, y0
+
+
+@pytest.fixture
+def krylov(monkeypatch):
+    """`I - c J` of an 8 x 8 Brusselator (128 unknowns), on the GMRES path (no band)."""
+    monkeypatch.setattr(_linear_solver, "_DIRECT_FLOPS", 0)
+    field, y0 = _brusselator(8)
+    op = dl.materialise_operator(lambda y: y - 0.02 * field(y), y0)
+    assert isinstance(op, dl.SparseLinearOperator)
+    b = jnp.asarray(np.random.RandomState(0).randn(y0.size))
+    return op, b, y0
+
+
+def test_iterates_are_least_residual(krylov):
+    # An unreachable tolerance, unit weights and `max_steps=k`: the k-th iterate of
+    # right-preconditioned GMRES minimises |b - A P z| over z in span(b, APb, ...,
+    # (AP)^{k-1} b), P the inverse of the diagonal; solved here by least squares on an
+    # orthonormal basis.
+    op, b, _ = krylov
+    A = np.asarray(op.as_matrix())
+    AP = A / np.diag(A)[None, :]
+    bn = np.asarray(b)
+    options = {"scale": jnp.ones_like(b), "tolerance": 0.0}
+    for k in (2, 7):
+        solver = dl.StructuredLinearSolver(max_steps=k, dense_below=0)
+        state = solver.init(op, {})
+        assert type(state).__name__ == "_Krylov"
+        sol = lx.linear_solve(op, b, solver, options=options, throw=False)
+        assert sol.result == lx.RESULTS.max_steps_reached
+        assert int(sol.stats["num_steps"]) == k
+        krylov_basis = np.stack([np.linalg.matrix_power(AP, i) @ bn for i in range(k)], axis=1)
+        Q, _ = np.linalg.qr(krylov_basis)
+        c, *_ = np.linalg.lstsq(AP @ Q, bn, rcond=None)
+        expected = (Q @ c) / np.diag(A)
+        np.testing.assert_allclose(
+            np.linalg.norm(bn - A @ np.asarray(sol.value)),
+            np.linalg.norm(bn - A @ expected),
+            rtol=1e-6,  # the reference's power basis is ill-conditioned
+        )
+        np.testing.assert_allclose(sol.value, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_restarts_converge(krylov):
+    # A Krylov space of 3 restarted until the residual is 1e-10 relative to b.
+    op, b, _ = krylov
+    solver = dl.StructuredLinearSolver(restart=3, dense_below=0)
+    sol = lx.linear_solve(op, b, solver)
+    expected = np.linalg.solve(np.asarray(op.as_matrix()), np.asarray(b))
+    np.testing.assert_allclose(sol.value, expected, rtol=1e-8, atol=1e-9)
+    assert int(sol.stats["num_steps"]) > 3
+
+
+def test_callers_tolerance(krylov):
+    # A chord iteration's scale and tolerance: the weighted residual meets a twentieth of
+    # it (`linear_fraction`), in fewer iterations than the default 1e-10, and the solution's
+    # error, in the same norm, is within the tolerance.
+    op, b, y = krylov
+    solver = dl.StructuredLinearSolver(dense_below=0)
+    scale = 1e-6 + 1e-4 * jnp.abs(y)
+    tolerance = 1e-2
+    options = {"scale": scale, "tolerance": tolerance}
+    rms = lambda x: float(jnp.sqrt(jnp.mean(x**2)))
+    loose = lx.linear_solve(op, b * 1e-4, solver, options=options)
+    tight = lx.linear_solve(op, b * 1e-4, solver)
+    residual = b * 1e-4 - op.mv(loose.value)
+    assert rms(residual / scale) <= solver.linear_fraction * tolerance
+    assert 0 < int(loose.stats["num_steps"]) < int(tight.stats["num_steps"])
+    exact = np.linalg.solve(np.asarray(op.as_matrix()), np.asarray(b * 1e-4))
+    assert rms((loose.value - exact) / scale) <= tolerance
+    np.testing.assert_allclose(tight.value, exact, rtol=1e-8, atol=1e-9)  # atol 1e-10
+
+
+def test_initial_guess(krylov):
+    op, b, _ = krylov
+    solver = dl.StructuredLinearSolver(dense_below=0)
+    exact = jnp.asarray(np.linalg.solve(np.asarray(op.as_matrix()), np.asarray(b)))
+    sol = lx.linear_solve(op, b, solver, options={"y0": exact})
+    assert int(sol.stats["num_steps"]) == 0
+    sol = lx.linear_solve(op, b, solver, options={"y0": exact + 0.1})
+    np.testing.assert_allclose(sol.value, exact, rtol=1e-8, atol=1e-9)
+
+
+def test_vmap(krylov):
+    # Right-hand sides that need different numbers of iterations, batched: each solved as
+    # alone (a batched loop runs until every member has converged).
+    op, b, _ = krylov
+    solver = dl.StructuredLinearSolver(dense_below=0)
+    exact = jnp.asarray(np.linalg.solve(np.asarray(op.as_matrix()), np.asarray(b)))
+    bs = jnp.stack([b, op.mv(exact.at[0].add(1e-3)), 1e-3 * b])
+    xs = jax.vmap(lambda b: lx.linear_solve(op, b, solver).value)(bs)
+    for x, b in zip(xs, bs):
+        expected = np.linalg.solve(np.asarray(op.as_matrix()), np.asarray(b))
+        np.testing.assert_allclose(x, expected, rtol=1e-8, atol=1e-9)
+
+
+def test_complex(monkeypatch):
+    monkeypatch.setattr(_linear_solver, "_DIRECT_FLOPS", 0)
+    m = 200
+    rng = np.random.RandomState(3)
+    cols = np.stack([(np.arange(m) + s) % m for s in (0, -1, 1, 7)])
+    values = rng.randn(m, 4) + 1j * rng.randn(m, 4)
+    values[:, 0] += 5
+    op = dl.SparseLinearOperator(
+        jnp.asarray(values), cols, jax.ShapeDtypeStruct((m,), jnp.complex128)
+    )
+    b = jnp.asarray(rng.randn(m) + 1j * rng.randn(m))
+    solver = dl.StructuredLinearSolver(dense_below=0)
+    assert type(solver.init(op, {})).__name__ == "_Krylov"
+    x = lx.linear_solve(op, b, solver).value
+    expected = np.linalg.solve(np.asarray(op.as_matrix()), np.asarray(b))
+    np.testing.assert_allclose(x, expected, rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.slow  # three solves to compile: 40 s on the loaded 2-core machine
+def test_bdf_passes_its_tolerance(monkeypatch):
+    # A 10 x 10 Brusselator on the GMRES path; BDF passes its chord tolerance, so GMRES
+    # stops far above the default 1e-10. The steps, the chord iterations and the accuracy
+    # are those of the same solver with exact (LU) solves.
+    monkeypatch.setattr(_linear_solver, "_DIRECT_FLOPS", 0)
+    field, y0 = _brusselator(10)
+    op = dl.materialise_operator(field, y0)
+    assert type(dl.StructuredLinearSolver().init(op, {})).__name__ == "_Krylov"
+    rtol, atol = 1e-6, 1e-8
+
+    def solve(linear_solver):
+        return diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: field(y)),
+            dl.BDF(linear_solver=linear_solver),
+            0.0,
+            0.5,
+            None,
+            y0,
+            stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
+            saveat=diffrax.SaveAt(t1=True, solver_state=True),
+        )
+
+    gmres, lu = solve(dl.StructuredLinearSolver()), solve(lx.LU())
+    steps = lambda s: int(s.stats["num_steps"])
+    assert abs(steps(gmres) - steps(lu)) <= 0.1 * steps(lu)
+    newton = lambda s: int(s.solver_state.num_newton_iterations)
+    assert newton(gmres) <= 1.2 * newton(lu)
+    # Not stiff enough at this size to stop an explicit reference at tight tolerances.
+    reference = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, args: field(y)),
+        diffrax.Tsit5(),
+        0.0,
+        0.5,
+        None,
+        y0,
+        stepsize_controller=diffrax.PIDController(rtol=1e-12, atol=1e-12),
+        max_steps=100_000,
+    ).ys[-1]
+    digits = lambda s: (
+        -np.log10(
+            float(jnp.max(jnp.abs(s.ys[-1] - reference) / (atol / rtol + jnp.abs(reference))))
+        )
+    )
+    assert digits(gmres) >= digits(lu) - 0.1
