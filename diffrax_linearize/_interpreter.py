@@ -74,6 +74,9 @@ class Context:
     - `splits`: filled in by `apply_rule` (see `split_of`): for blocks that are the sum of
         a part known at trace time and a traced part, those two parts, keyed by the
         block's `id`.
+    - `nan_faithful`: cleared by `apply_rule` when an equation took a rule outside
+        `_NAN_FAITHFUL` (or the dense fallback): while set, every non-finite entry of a
+        forward walk's blocks is one that `jax.jacfwd` forms too.
     """
 
     in_shapes: list[tuple[int, ...]]
@@ -84,6 +87,7 @@ class Context:
     jacfwd_work: int = 0
     control_flow: bool = False
     splits: dict[int, tuple[Struct, Struct, Struct]] = dataclasses.field(default_factory=dict)
+    nan_faithful: bool = True
 
     def record(self, name: str, reason: str | None = None):
         """An equation of primitive `name` whose result was made dense, and why."""
@@ -534,8 +538,42 @@ def apply_rule(ctx: Context, eqn, vals) -> list:
         outs = dense_fallback(ctx, eqn, vals, reason=reason)
     elif eqn.primitive.name in _SPLIT_PRIMITIVES:
         _record_splits(ctx, rule, eqn, vals, outs)
+    if name not in _NAN_FAITHFUL:
+        ctx.nan_faithful = False
     ctx.count_work(eqn, vals, outs)
     return outs
+
+
+# Equations whose rules compute each entry of the output blocks from the same products
+# of the same constants that `jax.jacfwd`'s push of a basis vector through the equation
+# forms, leaving out only products with a zero the structure knows of (where
+# `to_dense` forms `0 * v`, as the push does): so a non-finite entry that they and
+# `to_dense` form, `jax.jacfwd` forms too (up to overflow of a product that the push
+# rounds in another order). Rules that apply a primitive to whole columns (solves, the
+# dense fallback), move entries by traced indices or hold control flow are not here:
+# a singular solve in one lane of a `jax.vmap`ped `jnp.linalg.inv` gave NaN in the other
+# lane's rows. Calls are here because their bodies' equations are checked one by one.
+_NAN_FAITHFUL = frozenset(
+    {
+        "neg",
+        "mul",
+        "div",
+        "add",
+        "add_any",
+        "sub",
+        "reduce_sum",
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "transpose",
+        "convert_element_type",
+        "copy",
+        "dot_general",
+        "jit",
+        "closed_call",
+        "custom_jvp_call",
+    }
+)
 
 
 def split_of(ctx: Context, block: Struct) -> tuple[Struct, Struct] | None:
@@ -658,6 +696,7 @@ def dense_fallback(ctx: Context, eqn, vals, reason: str | None = None) -> list:
     returns one value per output, as a rule does.
     """
     ctx.record(str(eqn.primitive), reason)
+    ctx.nan_faithful = False
     is_lin = linear_outputs(eqn, vals)
     outs: list = [None] * len(eqn.outvars)
     if not all(is_lin):

@@ -1107,11 +1107,22 @@ def _operator(spec: _Spec, consts, diff, rest, *, diff_tree, out_tree):
         cells = _jacfwd_cells(spec, f_jvp, diff, chunk=None)
         out_ndims = [len(v.aval.shape) for v in spec.jaxpr.outvars]
         return build([[Struct.from_dense(c, k) for c in row] for row, k in zip(cells, out_ndims)])
-    if spec.nan_as_jacfwd and jvp_may_add_constants(_function(spec, consts, rest), diff):
+    adds_constants = spec.nan_as_jacfwd and jvp_may_add_constants(
+        _function(spec, consts, rest), diff
+    )
+    if adds_constants:
         plain = build
         build = lambda blocks: plain(_with_constant_nan_rows(spec, f_jvp, diff, blocks))
     op = _structured_operator(build, blocks, forward)
-    if spec.nan_as_jacfwd and isinstance(op, lx.MatrixLinearOperator | lx.PyTreeLinearOperator):
+    # A forward walk by rules that form no non-finite entry `jax.jacfwd` does not form
+    # (`Context.nan_faithful`: an N-body field's) needs no branch recomputing `jax.jacfwd`'s
+    # matrix: that branch, a loop over the basis, took most of the program's compile time.
+    faithful = forward is None and ctx.nan_faithful and not adds_constants
+    if (
+        spec.nan_as_jacfwd
+        and not faithful
+        and isinstance(op, lx.MatrixLinearOperator | lx.PyTreeLinearOperator)
+    ):
         op = _dense_operator_as_jacfwd(spec, f_jvp, diff, op)
     return op
 

@@ -495,12 +495,13 @@ class Struct:
         new = fresh_label()
         sizes = self.sizes
         sizes[new] = sizes[label]
+        # `val` moves to the out side: off the diagonal an entry is then `0 * v`, `v` the
+        # value of its row, as `jax.jacfwd` forms it (its basis's zeros times the row's
+        # derivative), so that a non-finite derivative makes its row NaN, not its column.
+        moved = tuple(new if x == label else x for x in self.val_labels)
         val, val_labels = contract(
-            [
-                (self.val, self.val_labels),
-                (eye(sizes[label], self.dtype), (new, label)),
-            ],
-            self.val_labels + (new,) + (() if label in self.val_labels else (label,)),
+            [(self.val, moved), (eye(sizes[label], self.dtype), (new, label))],
+            moved + tuple(x for x in (new, label) if x not in moved),
             sizes,
         )
         if val.dtype != self.dtype:

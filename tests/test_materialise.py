@@ -1523,6 +1523,44 @@ def test_dense_operator_nan_pattern_as_jacfwd():
         np.testing.assert_array_equal(np.isnan(op.mv(v)), np.isnan(jvp))
 
 
+def test_nbody_operator_without_jacfwd_branch_has_jacfwds_nan_rows():
+    """An N-body field's walk forms a non-finite entry only where `jax.jacfwd` does
+    (`Context.nan_faithful`), so its dense operator is built without the branch that
+    recomputes `jax.jacfwd`'s matrix (a loop over the basis: most of its compile time),
+    which `jnp.linalg.inv` under `jax.vmap` keeps. With two bodies at one place and no
+    softening between them, the matrix has `jax.jacfwd`'s NaN rows, no more: a delta made
+    dense (`Struct.untie_out`) put an infinite derivative in its column, every row's."""
+    soft = np.full((5, 5), 0.01)
+    soft[0, 1] = soft[1, 0] = 0.0
+
+    def fn(x):
+        p = x.reshape(-1, 3)
+        d = p[None, :, :] - p[:, None, :]
+        r2 = jnp.sum(d**2, -1) + soft
+        return jnp.sum(d * r2[..., None] ** -1.5, axis=1).reshape(-1)
+
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.rand(15))
+    x = x.at[3:6].set(x[0:3])
+    v = jnp.asarray(rng.randn(15))
+    expected = jax.jacfwd(fn)(x)
+    _, jvp = jax.jvp(fn, (x,), (v,))
+    assert np.isnan(expected[:6]).all() and np.isfinite(expected[6:]).all()  # can fail
+    jitted = jax.jit(dl.materialise_operator, static_argnums=0)
+    for op in (dl.materialise_operator(fn, x), jitted(fn, x)):
+        assert isinstance(op, lx.MatrixLinearOperator)
+        matrix = op.as_matrix()
+        np.testing.assert_array_equal(np.isnan(matrix), np.isnan(expected))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(matrix[finite], expected[finite], rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(np.isnan(op.mv(v)), np.isnan(jvp))
+    program = str(jax.make_jaxpr(lambda x: dl.materialise_operator(fn, x))(x))
+    assert "nonfinite_fallback" not in program
+    y = jnp.asarray(np.stack([np.zeros((3, 3)), rng.randn(3, 3) + 3 * np.eye(3)]))
+    inv = jax.vmap(jnp.linalg.inv)
+    assert "nonfinite_fallback" in str(jax.make_jaxpr(lambda y: dl.materialise_operator(inv, y))(y))
+
+
 @pytest.mark.parametrize(
     "fn",
     [
