@@ -74,8 +74,8 @@ class Context:
     - `splits`: filled in by `apply_rule` (see `split_of`): for blocks that are the sum of
         a part known at trace time and a traced part, those two parts, keyed by the
         block's `id`.
-    - `nan_faithful`: cleared by `apply_rule` when an equation took a rule outside
-        `_NAN_FAITHFUL` (or the dense fallback): while set, every non-finite entry of a
+    - `nan_faithful`: cleared by `apply_rule` when an equation took a rule not registered
+        with `nan_faithful=True` (or the dense fallback): while set, every non-finite entry of a
         forward walk's blocks is one that `jax.jacfwd` forms too.
     """
 
@@ -172,7 +172,9 @@ def rule_registry(recursion: str = JACOBIAN) -> dict[object, Rule]:
     return _REGISTRIES.setdefault(recursion, {})
 
 
-def register_rule(*prims, recursion: str = JACOBIAN, termwise: bool = False):
+def register_rule(
+    *prims, recursion: str = JACOBIAN, termwise: bool = False, nan_faithful: bool = False
+):
     """Decorator: register a rule for the given primitives in the registry of `recursion`.
 
     For the structure engine's own recursion (the default, `"jacobian"`) the rule is
@@ -193,11 +195,23 @@ def register_rule(*prims, recursion: str = JACOBIAN, termwise: bool = False):
         (no sub-jaxpr to interpret once per term). The flag is set on the rule itself
         (`rule.termwise`); see *Sums of different deltas* in the developer page on the
         structure engine.
+    - `nan_faithful`: for the `"jacobian"` recursion, whether the rule computes each entry
+        of its output blocks from the same products of the same constants that
+        `jax.jacfwd`'s push of a basis vector through the equation forms, leaving out only
+        products with a zero the structure knows of (where `to_dense` forms `0 * v`, as the
+        push does): so that a non-finite entry it forms, `jax.jacfwd` forms too (up to
+        overflow of a product rounded in another order). Rules that apply a primitive to
+        whole columns (solves, the dense fallback), move entries by traced indices or hold
+        control flow must not say so. A walk through such rules only needs no branch
+        recomputing `jax.jacfwd`'s matrix for its non-finite entries
+        (`Context.nan_faithful`). Set on the rule itself (`rule.nan_faithful`).
     """
 
     def decorator(rule: Rule) -> Rule:
         if termwise:
             rule.termwise = True  # pyright: ignore[reportFunctionMemberAccess]
+        if nan_faithful:
+            rule.nan_faithful = True  # pyright: ignore[reportFunctionMemberAccess]
         registry = rule_registry(recursion)
         for p in prims:
             if p is not None:
@@ -538,42 +552,10 @@ def apply_rule(ctx: Context, eqn, vals) -> list:
         outs = dense_fallback(ctx, eqn, vals, reason=reason)
     elif eqn.primitive.name in _SPLIT_PRIMITIVES:
         _record_splits(ctx, rule, eqn, vals, outs)
-    if name not in _NAN_FAITHFUL:
+    if not getattr(rule, "nan_faithful", False):
         ctx.nan_faithful = False
     ctx.count_work(eqn, vals, outs)
     return outs
-
-
-# Equations whose rules compute each entry of the output blocks from the same products
-# of the same constants that `jax.jacfwd`'s push of a basis vector through the equation
-# forms, leaving out only products with a zero the structure knows of (where
-# `to_dense` forms `0 * v`, as the push does): so a non-finite entry that they and
-# `to_dense` form, `jax.jacfwd` forms too (up to overflow of a product that the push
-# rounds in another order). Rules that apply a primitive to whole columns (solves, the
-# dense fallback), move entries by traced indices or hold control flow are not here:
-# a singular solve in one lane of a `jax.vmap`ped `jnp.linalg.inv` gave NaN in the other
-# lane's rows. Calls are here because their bodies' equations are checked one by one.
-_NAN_FAITHFUL = frozenset(
-    {
-        "neg",
-        "mul",
-        "div",
-        "add",
-        "add_any",
-        "sub",
-        "reduce_sum",
-        "broadcast_in_dim",
-        "reshape",
-        "squeeze",
-        "transpose",
-        "convert_element_type",
-        "copy",
-        "dot_general",
-        "jit",
-        "closed_call",
-        "custom_jvp_call",
-    }
-)
 
 
 def split_of(ctx: Context, block: Struct) -> tuple[Struct, Struct] | None:

@@ -293,13 +293,15 @@ def _permute_out(b: Struct, perm) -> Struct:
 # ---- elementwise linear maps of one input ---------------------------------------------
 
 
-register_rule(prim("neg"), termwise=True)(
+register_rule(prim("neg"), termwise=True, nan_faithful=True)(
     _blockwise(lambda b, eqn, vals, pos: b.map_val(lambda v: -v))
 )
 register_rule(prim("conj"))(_blockwise(lambda b, eqn, vals, pos: b.map_val(lambda v: v.conj())))
 register_rule(prim("real"))(_blockwise(lambda b, eqn, vals, pos: b.map_val(lambda v: v.real)))
 register_rule(prim("imag"))(_blockwise(lambda b, eqn, vals, pos: b.map_val(lambda v: v.imag)))
-register_rule(prim("convert_element_type"), termwise=True)(_blockwise(lambda b, eqn, vals, pos: b))
+register_rule(prim("convert_element_type"), termwise=True, nan_faithful=True)(
+    _blockwise(lambda b, eqn, vals, pos: b)
+)
 
 
 @register_rule(
@@ -308,6 +310,7 @@ register_rule(prim("convert_element_type"), termwise=True)(_blockwise(lambda b, 
     prim("sharding_constraint"),
     prim("device_put"),
     prim("optimization_barrier"),
+    nan_faithful=True,
 )
 def _identity_rule(ctx, eqn, vals):
     if len(vals) != len(eqn.outvars):
@@ -335,13 +338,13 @@ def _reduce_precision_rule(ctx, eqn, vals):
 # ---- shape manipulation ---------------------------------------------------------------
 
 
-@register_rule(prim("transpose"), termwise=True)
+@register_rule(prim("transpose"), termwise=True, nan_faithful=True)
 @_blockwise
 def _transpose_rule(b, eqn, vals, pos):
     return _permute_out(b, eqn.params["permutation"])
 
 
-@register_rule(prim("broadcast_in_dim"), termwise=True)
+@register_rule(prim("broadcast_in_dim"), termwise=True, nan_faithful=True)
 def _broadcast_in_dim_rule(ctx, eqn, vals):
     if len(vals) != 1:  # dynamic shapes
         return NotImplemented
@@ -375,7 +378,7 @@ def _drop_out_axes(b: Struct, axes) -> Struct:
     )
 
 
-@register_rule(prim("squeeze"), termwise=True)
+@register_rule(prim("squeeze"), termwise=True, nan_faithful=True)
 @_blockwise
 def _squeeze_rule(b, eqn, vals, pos):
     axes = [d % len(b.out_shape) for d in eqn.params["dimensions"]]
@@ -452,7 +455,7 @@ def _reshape_block(b: Struct, new_shape) -> Struct:
     return simplify(out)
 
 
-@register_rule(prim("reshape"))
+@register_rule(prim("reshape"), nan_faithful=True)
 def _reshape_rule(ctx, eqn, vals):
     if len(vals) != 1:
         return NotImplemented
@@ -714,7 +717,7 @@ def _tile_rule(ctx, eqn, vals):
     return [Lin(blocks, aval.shape, aval.dtype)]
 
 
-@register_rule(prim("reduce_sum"), termwise=True)
+@register_rule(prim("reduce_sum"), termwise=True, nan_faithful=True)
 @_blockwise
 def _reduce_sum_rule(b, eqn, vals, pos):
     axes = sorted(eqn.params["axes"])
@@ -1036,7 +1039,7 @@ def _scatter_add_rule(ctx, eqn, vals):
 # ---- arithmetic -----------------------------------------------------------------------
 
 
-@register_rule(prim("add"), prim("add_jaxvals"), prim("sub"))
+@register_rule(prim("add"), prim("add_jaxvals"), prim("sub"), nan_faithful=True)
 def _add_rule(ctx, eqn, vals):
     aval = _out_aval(eqn)
     terms = []
@@ -1054,7 +1057,7 @@ def _add_rule(ctx, eqn, vals):
     return [_sum_lins(terms, aval.shape, aval.dtype)]
 
 
-@register_rule(prim("mul"), termwise=True)
+@register_rule(prim("mul"), termwise=True, nan_faithful=True)
 def _mul_rule(ctx, eqn, vals):
     pos = _single_linear(vals)
     if pos is None:
@@ -1079,7 +1082,7 @@ def _in_dtype(c, dtype):
     return c.astype(dtype)
 
 
-@register_rule(prim("div"), termwise=True)
+@register_rule(prim("div"), termwise=True, nan_faithful=True)
 def _div_rule(ctx, eqn, vals):
     if _lin_positions(vals) != [0]:
         return NotImplemented
@@ -1305,7 +1308,7 @@ def _dot_block_ell_uniform(b, a, lin_is_lhs, xc, ac, xb, ab, out_shape, dtype):
     return _cast(simplify(out), dtype)
 
 
-@register_rule(prim("dot_general"), termwise=True)
+@register_rule(prim("dot_general"), termwise=True, nan_faithful=True)
 def _dot_general_rule(ctx, eqn, vals):
     pos = _single_linear(vals)
     if pos is None:
@@ -1579,7 +1582,9 @@ def _along_out_rule(ctx, eqn, vals):
 # ---- calls and control flow -----------------------------------------------------------
 
 
-@register_rule(prim("jit"), prim("closed_call"), prim("remat"), prim("custom_jvp_call"))
+@register_rule(
+    prim("jit"), prim("closed_call"), prim("remat"), prim("custom_jvp_call"), nan_faithful=True
+)
 def _call_rule(ctx, eqn, vals):
     # A linear program's `custom_jvp_call` is linear too: its sub-jaxpr is the map.
     sub = call_jaxpr(eqn, custom_jvp=True)

@@ -493,6 +493,24 @@ def test_termwise_is_a_flag_of_the_rules():
         assert len(calls) == expected_calls, (flag, calls)
 
 
+def test_nan_faithful_is_a_flag_of_the_rules():
+    """Which rules form each entry as `jax.jacfwd`'s push does (so a walk through them only
+    needs no branch recomputing `jax.jacfwd`'s matrix for its NaNs) is said by the rules
+    (`register_rule(..., nan_faithful=True)`), not by a list of names: products with
+    constants, sums, reductions, broadcasts, reshapes, `dot_general`, identities and calls,
+    and no solve, gather, scatter or control flow."""
+    registry = _interpreter.rule_registry()
+    flagged = {str(p) for p, r in registry.items() if getattr(r, "nan_faithful", False)}
+    assert {
+        "neg", "mul", "div", "add", "sub", "reduce_sum", "broadcast_in_dim", "reshape",
+        "squeeze", "transpose", "convert_element_type", "copy", "dot_general", "jit",
+        "closed_call", "custom_jvp_call",
+    } <= flagged  # fmt: skip
+    for p in (lax.linalg.triangular_solve_p, lax.gather_p, lax.scatter_add_p, lax.while_p):
+        if p in registry:
+            assert not getattr(registry[p], "nan_faithful", False), p
+
+
 def test_fft_field_is_jacfwds_program():
     """FFT, dense by nature: the transform of the identity leaves the walk nothing to
     save, and the Jacobian is `jax.jacfwd`'s own program, without the check for its NaNs
