@@ -107,8 +107,8 @@ class ItoTaylor15(AbstractAdaptiveSolver, AbstractItoSolver):
     stepsize_controller=diffrax.PIDController(rtol=..., atol=...))` works with a
     `diffrax.VirtualBrownianTree(..., levy_area=diffrax.SpaceTimeLevyArea)`. Over a sweep
     of tolerances the error falls only about like the mean step to the power one (tested on
-    geometric Brownian motion), not 1.5: with steps chosen from the path, the strong order
-    of fixed steps is not what an adaptive solve sees.
+    geometric Brownian motion), not 1.5; probably because the steps are chosen from the
+    path (a step with a large increment is rejected and split).
 
     !!! warning
 
