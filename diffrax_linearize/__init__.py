@@ -53,6 +53,7 @@ from ._solver.rosenbrock import (
     ROS34PW2 as ROS34PW2,
     WState as WState,
 )
+from ._solver.taylor15 import ItoTaylor15 as ItoTaylor15
 from ._squared_grads import (
     per_example_grad_norms as per_example_grad_norms,
     sum_squared_grads as sum_squared_grads,
