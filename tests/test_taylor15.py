@@ -71,6 +71,7 @@ def test_strong_order_diagonal_gbm():
     assert all(a < b / 3 for a, b in zip(ours, milstein)), (ours, milstein)
 
 
+@pytest.mark.slow
 def test_strong_order_scalar_noise_linear_system():
     """Scalar noise on a 2-d state, `g(y) = A y` with `A` commuting with the drift's `B`: the
     exact solution is `expm((B - A^2 / 2) t + A W) y0`. Exercises the non-diagonal path
