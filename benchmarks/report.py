@@ -541,9 +541,15 @@ def _stiff(data: dict) -> list[str]:
     if spde:
         (stable,) = {r["stable_steps"] for r in spde}
         (problem,) = {(r["problem"], r["N"]) for r in spde}
+        refs = {r.get("reference_steps") for r in spde}
+        ref = (
+            f"; RMS error against Euler-Maruyama at {refs.pop()} steps on the same paths"
+            if len(refs) == 1 and None not in refs
+            else ""
+        )
         out += [
             f"{problem[0]} (n = {problem[1]}), per path; explicit schemes are stable from "
-            f"about {stable} steps:",
+            f"about {stable} steps{ref}:",
             "",
             markdown_table(
                 [
