@@ -201,3 +201,24 @@ def assert_grad_matches_central_difference(loss, x, *, eps=1e-5, rtol=1e-5):
     g = jax.jit(jax.grad(loss))(x)
     fd = (loss(x + eps) - loss(x - eps)) / (2 * eps)
     np.testing.assert_allclose(g, fd, rtol=rtol)
+
+
+def brusselator_2d(n):
+    """The 2D Brusselator on a periodic `n x n` grid (`jnp.roll`), as `(field, y0)` with
+    `field(y)`: a sparse Jacobian too wide to band, which takes the GMRES path."""
+
+    def field(y):
+        u, v = y.reshape(2, n, n)
+
+        def lap(w):
+            rolled = sum(jnp.roll(w, s, axis) for s in (1, -1) for axis in (0, 1))
+            return 0.02 * (n - 1) ** 2 * (rolled - 4 * w)
+
+        du = 1 + u * u * v - 4.4 * u + lap(u)
+        dv = 3.4 * u - u * u * v + lap(v)
+        return jnp.concatenate([du.ravel(), dv.ravel()])
+
+    x = jnp.linspace(0, 1, n)
+    X, Y = jnp.meshgrid(x, x)
+    y0 = jnp.concatenate([(22 * (Y * (1 - Y)) ** 1.5).ravel(), (27 * (X * (1 - X)) ** 1.5).ravel()])
+    return field, y0

@@ -11,31 +11,14 @@ import lineax as lx
 import numpy as np
 import pytest
 from diffrax_linearize import _linear_solver
-
-
-def _brusselator(n):
-    def field(y):
-        u, v = y.reshape(2, n, n)
-
-        def lap(w):
-            rolled = sum(jnp.roll(w, s, axis) for s in (1, -1) for axis in (0, 1))
-            return 0.02 * (n - 1) ** 2 * (rolled - 4 * w)
-
-        du = 1 + u * u * v - 4.4 * u + lap(u)
-        dv = 3.4 * u - u * u * v + lap(v)
-        return jnp.concatenate([du.ravel(), dv.ravel()])
-
-    x = jnp.linspace(0, 1, n)
-    X, Y = jnp.meshgrid(x, x)
-    y0 = jnp.concatenate([(22 * (Y * (1 - Y)) ** 1.5).ravel(), (27 * (X * (1 - X)) ** 1.5).ravel()])
-    return field, y0
+from helpers import brusselator_2d
 
 
 @pytest.fixture
 def krylov(monkeypatch):
     """`I - c J` of an 8 x 8 Brusselator (128 unknowns), on the GMRES path (no band)."""
     monkeypatch.setattr(_linear_solver, "_DIRECT_FLOPS", 0)
-    field, y0 = _brusselator(8)
+    field, y0 = brusselator_2d(8)
     op = dl.materialise_operator(lambda y: y - 0.02 * field(y), y0)
     assert isinstance(op, dl.SparseLinearOperator)
     b = jnp.asarray(np.random.RandomState(0).randn(y0.size))
@@ -148,7 +131,7 @@ def test_bdf_passes_its_tolerance(monkeypatch):
     # stops far above the default 1e-10. The steps, the chord iterations and the accuracy
     # are those of the same solver with exact (LU) solves.
     monkeypatch.setattr(_linear_solver, "_DIRECT_FLOPS", 0)
-    field, y0 = _brusselator(10)
+    field, y0 = brusselator_2d(10)
     op = dl.materialise_operator(field, y0)
     assert type(dl.StructuredLinearSolver().init(op, {})).__name__ == "_Krylov"
     rtol, atol = 1e-6, 1e-8

@@ -10,7 +10,11 @@ import pytest
 import scipy.integrate
 import scipy.linalg
 from diffrax_linearize._solver.rosenbrock import _RODAS4P
-from helpers import assert_grad_matches_central_difference, assert_vmap_matches_jit
+from helpers import (
+    assert_grad_matches_central_difference,
+    assert_vmap_matches_jit,
+    brusselator_2d,
+)
 from test_rosenbrock import _order_conditions, _robertson, _robertson_ref, _Y0
 
 
@@ -245,20 +249,11 @@ def test_gmres_path_carried_across_steps():
     # jaxpr cannot pass through the solve's `lax.cond` (a TypeError at trace time).
     n = 16
 
+    field, y0 = brusselator_2d(n)
+
     def brusselator(t, y, args):
-        u, v = y.reshape(2, n, n)
+        return field(y)
 
-        def lap(w):
-            rolled = sum(jnp.roll(w, s, axis) for s in (1, -1) for axis in (0, 1))
-            return 0.02 * (n - 1) ** 2 * (rolled - 4 * w)
-
-        du = 1 + u * u * v - 4.4 * u + lap(u)
-        dv = 3.4 * u - u * u * v + lap(v)
-        return jnp.concatenate([du.ravel(), dv.ravel()])
-
-    x = jnp.linspace(0, 1, n)
-    X, Y = jnp.meshgrid(x, x)
-    y0 = jnp.concatenate([(22 * (Y * (1 - Y)) ** 1.5).ravel(), (27 * (X * (1 - X)) ** 1.5).ravel()])
     op = dl.materialise_operator(lambda y: brusselator(0.0, y, None), y0)
     state = dl.StructuredLinearSolver().init(op, {})
     assert type(state).__name__ == "_Krylov"  # the path this test is for

@@ -2,7 +2,7 @@
 Lévy area of Diffrax's Brownian paths and an embedded error estimate (the scheme's order-1.5
 terms: its difference from the Milstein step)."""
 
-from typing import Any, ClassVar, TypeAlias
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -11,20 +11,12 @@ from diffrax import (
     AbstractAdaptiveSolver,
     AbstractItoSolver,
     AbstractSpaceTimeLevyArea,
-    AbstractTerm,
     LocalLinearInterpolation,
-    MultiTerm,
     RESULTS,
 )
-from jaxtyping import ArrayLike, Bool, PyTree, Real
 
 from .._term import milstein_trace_term
-
-
-_RealScalarLike: TypeAlias = Real[ArrayLike, ""]
-_BoolScalarLike: TypeAlias = Bool[ArrayLike, ""]
-_Y: TypeAlias = PyTree[ArrayLike]
-_Terms: TypeAlias = MultiTerm[tuple[AbstractTerm[Any, _RealScalarLike], AbstractTerm]]
+from .milstein import _BoolScalarLike, _RealScalarLike, _Terms, _Y
 
 
 def _add(*trees):
