@@ -339,24 +339,17 @@ def _check_not_in_half_solver(solver, frame) -> None:
     )
 
 
-class MilsteinCommon:
-    """What every Milstein solver here shares: no solver state, strong order one, no
-    order as an ODE solver, local linear interpolation, `func` evaluating the drift and
-    the diffusion, and a `step` around the solver's own `_y1(terms, t0, t1, y0, args)`
-    that returns the embedded error estimate of `_error_estimate`. Solvers with
-    `fixed_steps_only` (those that sample Lévy areas) refuse to be wrapped in
-    `diffrax.HalfSolver`."""
+class SDESolverCommon:
+    """What every explicit one-step SDE solver here shares (the Milstein solvers and
+    `ItoTaylor15`): no solver state, no order as an ODE solver, local linear
+    interpolation, and `func` evaluating the drift and the diffusion."""
 
     interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
-    fixed_steps_only: ClassVar[bool] = False
 
     def order(self, terms):
         raise ValueError(
             f"`diffrax_linearize.{type(self).__name__}` should not be used to solve ODEs."
         )
-
-    def strong_order(self, terms):
-        return 1
 
     def init(self, terms: _Terms, t0: _RealScalarLike, t1: _RealScalarLike, y0: _Y, args):
         return None
@@ -364,6 +357,18 @@ class MilsteinCommon:
     def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
         drift, diffusion = terms.terms
         return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
+
+
+class MilsteinCommon(SDESolverCommon):
+    """What every Milstein solver here shares: `SDESolverCommon`'s, strong order one, and
+    a `step` around the solver's own `_y1(terms, t0, t1, y0, args)` that returns the
+    embedded error estimate of `_error_estimate`. Solvers with `fixed_steps_only` (those
+    that sample Lévy areas) refuse to be wrapped in `diffrax.HalfSolver`."""
+
+    fixed_steps_only: ClassVar[bool] = False
+
+    def strong_order(self, terms):
+        return 1
 
     @abc.abstractmethod
     def _y1(

@@ -11,12 +11,11 @@ from diffrax import (
     AbstractAdaptiveSolver,
     AbstractItoSolver,
     AbstractSpaceTimeLevyArea,
-    LocalLinearInterpolation,
     RESULTS,
 )
 
 from .._term import milstein_trace_term
-from .milstein import _BoolScalarLike, _RealScalarLike, _Terms, _Y
+from .milstein import _BoolScalarLike, _RealScalarLike, _Terms, _Y, SDESolverCommon
 
 
 def _add(*trees):
@@ -41,7 +40,7 @@ def _levy_message(inc) -> str:
     )
 
 
-class ItoTaylor15(AbstractAdaptiveSolver, AbstractItoSolver):
+class ItoTaylor15(SDESolverCommon, AbstractAdaptiveSolver, AbstractItoSolver):
     r"""The explicit strong order 1.5 Itô-Taylor scheme (Kloeden & Platen, *Numerical
     Solution of Stochastic Differential Equations*, section 10.4, schemes (10.4.1) and
     (10.4.6)) for **commutative noise**, with an embedded error estimate for adaptive steps.
@@ -120,10 +119,6 @@ class ItoTaylor15(AbstractAdaptiveSolver, AbstractItoSolver):
     term_structure: ClassVar = _Terms
     # The diffusion's control is asked for its space-time Lévy area, as `diffrax.SPaRK`'s.
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
-    interpolation_cls: ClassVar = LocalLinearInterpolation
-
-    def order(self, terms):
-        raise ValueError("`diffrax_linearize.ItoTaylor15` should not be used to solve ODEs.")
 
     def strong_order(self, terms):
         return 1.5
@@ -132,13 +127,6 @@ class ItoTaylor15(AbstractAdaptiveSolver, AbstractItoSolver):
         # The estimate is the Milstein step's local error, O(h^{3/2}): strong order 1 plus
         # one half, Diffrax's rule for an SDE pair of the lower order; not 1.5 + 0.5.
         return 1.5
-
-    def init(self, terms: _Terms, t0: _RealScalarLike, t1: _RealScalarLike, y0: _Y, args):
-        return None
-
-    def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
-        drift, diffusion = terms.terms
-        return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
 
     def step(
         self,
