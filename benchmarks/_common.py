@@ -193,6 +193,23 @@ def kept_rows(
     return kept, runs
 
 
+def parse_partial_rerun(parser, argv, *selectors: str):
+    """Adds `--update` to `parser` and parses `argv`. `--update` is a partial re-run: the
+    cases named by the options `selectors` (such as `"fields"` for `--fields`) replace
+    their rows in the recorded result and the other rows are kept (`kept_rows`); without
+    any of those options it would re-run nothing, so the parser refuses it."""
+    flags = ", ".join(f"--{s}" for s in selectors)
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help=f"with {flags}: replace the named cases' rows in the recorded result, keep the rest",
+    )
+    ns = parser.parse_args(argv)
+    if ns.update and not any(getattr(ns, s) for s in selectors):
+        parser.error(f"--update re-runs the cases named by {flags}; name them")
+    return ns
+
+
 def fmt_time(seconds: float | None) -> str:
     if seconds is None:
         return "—"

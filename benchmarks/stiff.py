@@ -58,6 +58,7 @@ from benchmarks._common import (
     kept_rows,
     machine,
     markdown_table,
+    parse_partial_rerun,
     plot_path,
     time_contenders_output,
     write_results,
@@ -460,14 +461,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--problems", nargs="+", choices=PROBLEMS, help="these parts only")
-    parser.add_argument(
-        "--update",
-        action="store_true",
-        help="keep the recorded rows of the parts not re-run (with --problems)",
-    )
-    ns = parser.parse_args(argv)
-    if ns.update and not ns.problems:
-        parser.error("--update re-runs the parts named by --problems")
+    ns = parse_partial_rerun(parser, argv, "problems")
     run(ns.quick, ns.problems, ns.update)
 
 

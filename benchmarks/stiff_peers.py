@@ -76,6 +76,7 @@ from benchmarks._common import (
     kept_rows,
     machine,
     markdown_table,
+    parse_partial_rerun,
     plot_path,
     recorded_result,
     time_round_robin,
@@ -1071,15 +1072,7 @@ def main(argv=None):
     parser.add_argument(
         "--methods", nargs="+", choices=JAX_METHODS + PEERS, help="these contenders only"
     )
-    parser.add_argument(
-        "--update",
-        action="store_true",
-        help="replace the rows of the cases and contenders named in the recorded result, "
-        "keep the rest",
-    )
-    ns = parser.parse_args(argv)
-    if ns.update and not (ns.problems or ns.sizes or ns.methods):
-        parser.error("--update re-runs the cases named by --problems, --sizes, --methods")
+    ns = parse_partial_rerun(parser, argv, "problems", "sizes", "methods")
     selected = selection(ns.problems, ns.sizes, ns.methods)
     if not any(selected(p, s) for p, s, _ in cases(ns.quick)):
         parser.error("no case of the sweep has these problems and sizes")

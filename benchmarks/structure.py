@@ -50,6 +50,7 @@ from benchmarks._common import (
     kept_rows,
     machine,
     markdown_table,
+    parse_partial_rerun,
     plot_path,
     time_contenders,
     write_results,
@@ -537,14 +538,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--fields", nargs="+", choices=list(FIELDS), help="these fields only")
-    parser.add_argument(
-        "--update",
-        action="store_true",
-        help="with --fields: replace those fields' rows in the recorded result, keep the rest",
-    )
-    ns = parser.parse_args(argv)
-    if ns.update and not ns.fields:
-        parser.error("--update re-runs the fields named by --fields; name them")
+    ns = parse_partial_rerun(parser, argv, "fields")
     run(quick=ns.quick, only=ns.fields, update=ns.update)
 
 
