@@ -453,7 +453,10 @@ def _calls_per_step(problem: dict, contender: dict) -> int:
 
 def _cost_at(errors, costs, target):
     """Cost at `target` error, interpolated in log-log space between measured points (or
-    extrapolated along a least-squares line through the nearest three, flagged)."""
+    extrapolated along a least-squares line through the nearest three, flagged; `None`
+    where that line's slope is not that of a convergent method, of order between 1/4 and 4:
+    two points of almost equal error, as when one path's error dominates, would otherwise
+    extrapolate to any cost)."""
     pts = [(e, c) for e, c in zip(errors, costs) if e and c and np.isfinite(e) and e > 0]
     if len(pts) < 2:
         return None, True
@@ -465,6 +468,8 @@ def _cost_at(errors, costs, target):
         return float(np.exp(np.interp(lt, le, lc))), False
     sel = slice(0, 3) if lt < le[0] else slice(-3, None)
     slope, intercept = np.polyfit(le[sel], lc[sel], 1)
+    if not 0.25 <= abs(slope) <= 4:
+        return None, True
     return float(np.exp(intercept + slope * lt)), True
 
 

@@ -124,6 +124,20 @@ def test_acceptance_ratios_on_a_synthetic_curve():
     assert max(line.count("|") - 1 for line in bench.table(list(acc.values())).splitlines()) <= 8
 
 
+def test_cost_at_interpolates_and_refuses_a_flat_extrapolation():
+    # cost = error^(-1/2) (order 2): exact in log-log space, inside and outside the points.
+    errors = [1e-1, 1e-2, 1e-3]
+    costs = [e**-0.5 for e in errors]
+    c, extrapolated = bench._cost_at(errors, costs, 3e-2)
+    np.testing.assert_allclose(c, 3e-2**-0.5, rtol=1e-12)
+    assert not extrapolated
+    c, extrapolated = bench._cost_at(errors, costs, 1e-4)
+    np.testing.assert_allclose(c, 1e-4**-0.5, rtol=1e-9)
+    assert extrapolated
+    # Two points of almost equal error (one path dominating both): no extrapolation.
+    assert bench._cost_at([0.0296, 0.029], [131.0, 459.0], 0.037) == (None, True)
+
+
 def test_fixed_steps_on_a_synthetic_curve():
     # Ours at fixed steps: error = dt; SPaRK: error = dt / 4 at twice the time per step.
     # SPaRK at dt is ours at dt / 4 (k = 4) for 2x the cost per step: at equal error it is
