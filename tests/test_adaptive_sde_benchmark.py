@@ -124,6 +124,74 @@ def test_acceptance_ratios_on_a_synthetic_curve():
     assert max(line.count("|") - 1 for line in bench.table(list(acc.values())).splitlines()) <= 8
 
 
+def test_cost_at_interpolates_and_refuses_a_flat_extrapolation():
+    # cost = error^(-1/2) (order 2): exact in log-log space, inside and outside the points.
+    errors = [1e-1, 1e-2, 1e-3]
+    costs = [e**-0.5 for e in errors]
+    c, extrapolated = bench._cost_at(errors, costs, 3e-2)
+    np.testing.assert_allclose(c, 3e-2**-0.5, rtol=1e-12)
+    assert not extrapolated
+    c, extrapolated = bench._cost_at(errors, costs, 1e-4)
+    np.testing.assert_allclose(c, 1e-4**-0.5, rtol=1e-9)
+    assert extrapolated
+    # Two points of almost equal error (one path dominating both): no extrapolation.
+    assert bench._cost_at([0.0296, 0.029], [131.0, 459.0], 0.037) == (None, True)
+
+
+def test_fixed_steps_on_a_synthetic_curve():
+    # Ours at fixed steps: error = dt; SPaRK: error = dt / 4 at twice the time per step.
+    # SPaRK at dt is ours at dt / 4 (k = 4) for 2x the cost per step: at equal error it is
+    # 2x cheaper.
+    dts = [2.0**-k for k in range(3, 8)]
+    rows = []
+    for method, gain, cost in (("ours fixed", 1.0, 1.0), ("SPaRK fixed", 4.0, 2.0)):
+        for dt in dts:
+            rows.append(
+                dict(
+                    problem="p",
+                    method=method,
+                    adaptive=False,
+                    param=dt,
+                    rms_error=dt / gain,
+                    steps=1 / dt,
+                    time_per_path_s=1e-6 * cost / dt,
+                    traced_calls_per_step=3 * cost,
+                    failed_paths=0,
+                )
+            )
+    fixed = bench.fixed_steps(rows)
+    assert [f["dt"] for f in fixed] == sorted(dts, reverse=True)
+    inside = [f for f in fixed if not f["k_extrapolated"]]
+    # SPaRK's errors at its two smallest steps lie below ours' smallest: extrapolated.
+    assert len(inside) == 3
+    for f in fixed:
+        np.testing.assert_allclose(f["k"], 4.0, rtol=1e-9)
+        np.testing.assert_allclose(f["cost_per_step_ratio"], 2.0, rtol=1e-12)
+        np.testing.assert_allclose(f["calls_per_step_ratio"], 2.0, rtol=1e-12)
+        np.testing.assert_allclose(f["spark_cheaper_by"], 2.0, rtol=1e-9)
+    acc = {a["what"]: a for a in bench.acceptance(rows + _adaptive_row())}
+    # At equal error ours at fixed steps takes 4x SPaRK's steps, each half the time.
+    np.testing.assert_allclose(acc["fixed / SPaRK fixed"]["steps_ratio"], 4.0, rtol=1e-9)
+    np.testing.assert_allclose(acc["fixed / SPaRK fixed"]["time_ratio"], 2.0, rtol=1e-9)
+    assert "n/a" not in bench.fixed_table(fixed)
+
+
+def _adaptive_row():
+    """One point of ours adaptive at the target tolerance (the error every ratio is at)."""
+    return [
+        dict(
+            problem="p",
+            method="ours adaptive",
+            adaptive=True,
+            param=bench.TARGET_RTOL,
+            rms_error=2.0**-6,
+            steps=10.0,
+            time_per_path_s=1e-5,
+            failed_paths=0,
+        )
+    ]
+
+
 @pytest.mark.slow  # compiles three solves: about a minute on the busy 2-core machine
 @pytest.mark.parametrize("name", list(bench.PROBLEMS))
 def test_reference_and_solvers_agree(name):
