@@ -538,6 +538,20 @@ def linear_diffusion_prod(term, t, y, args, control):
     return jtu.tree_unflatten(jtu.tree_structure(out_struct), [out])
 
 
+# Up to this many bytes, a derivative stored bigger than g (g = A y) is read twice by the Itô
+# step rather than once: the one contraction with W = (g dW) dW^T - dt g forms W entry by
+# entry after the Brownian increment is drawn, and XLA fuses the increment's elementwise
+# sampling (`erf_inv`) into that loop, recomputing it for each of the d*m entries (at
+# d = m = 64 that loop cost as much as a pass over A). The JVP instead reads the increment
+# through matrix-vector products only, and the trace term's pass needs no increment, so it
+# runs while the increment is drawn. Measured in benchmarks/step_cost.py (dense_linear): the
+# two passes faster at d = m <= 64 (A up to 1 MiB in float32), the one pass at 96 and above,
+# where A no longer fits in a core's cache (2 MiB of L2 there) and a pass costs its memory
+# traffic. Under adaptive steps the error estimate needs the symmetric double sum, which is
+# the JVP, so there the two passes are never more.
+_REREAD_DERIVATIVE_BYTES = 2**21
+
+
 def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
     """$\\sum_{j_1, j_2} (L^{j_1} g_{:, j_2}) (\\Delta W_{j_1} \\Delta W_{j_2} -
     \\delta_{j_1 j_2} \\Delta t)$, the double sum of the Itô Milstein step, where
@@ -548,10 +562,29 @@ def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
     With $D_{i j k} = \\partial g_{i j} / \\partial y_k$ the sum is
     $\\sum_{j, k} D_{i j k} \\big((g \\Delta W)_k \\Delta W_j - \\Delta t\\, g_{k j}\\big)$:
     a contraction of the structured derivative with a matrix shaped like $g$, so each
-    stored entry of $D$ is read once (for $g(y) = A y$ one pass over $A$ instead of two)."""
+    stored entry of $D$ is read once (for $g(y) = A y$ one pass over $A$ instead of two).
+
+    Except where the derivative is stored bigger than $g$ but small
+    (`_REREAD_DERIVATIVE_BYTES`): there `None`, and the step takes the JVP (one pass over
+    $D$ along $g \\Delta W$) and the trace term (another, which needs no $\\Delta W$)."""
     if _is_complex(term, t, y, args):
         return None
     if _noise_structure(term, t, y, args, "diffrax_linearize.ItoMilstein") != "general":
+        return None
+    matrix = jtu.tree_leaves(materialise(term, t, y, args))
+    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
+    n_y, n_c = len(jtu.tree_leaves(y)), len(jtu.tree_leaves(dw))
+    bigger = [
+        ell_to_plain(d).val
+        for q in range(n_y)
+        for p in range(n_c)
+        for r in range(n_y)
+        if (d := dblocks[q * n_c + p][r]) is not None
+        and jnp.size(ell_to_plain(d).val) > jnp.size(matrix[r * n_c + p])
+    ]
+    if bigger and sum(jnp.size(v) * jnp.dtype(v.dtype).itemsize for v in bigger) <= (
+        _REREAD_DERIVATIVE_BYTES
+    ):
         return None
     g_leaves = jtu.tree_leaves(g_prod)
     dw_leaves = jtu.tree_leaves(dw)

@@ -369,7 +369,9 @@ def _dense_correction(vf, y, m, dw, dt):
         "column_scaled_linear",
     ],
 )
-def test_ito_milstein_correction_against_jacfwd(name, dtype):
+def test_ito_milstein_correction_against_jacfwd(name, dtype, monkeypatch):
+    # (For A y the one contraction is taken only for an A too big to read twice cheaply.)
+    monkeypatch.setattr(_term_module, "_REREAD_DERIVATIVE_BYTES", 0)
     vf, shape = DIFFUSIONS[name]
     m = int(np.prod(shape))
     diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
@@ -399,6 +401,29 @@ def test_stratonovich_milstein_correction_against_jacfwd(name):
     got = _term_module.stratonovich_milstein_correction(diffusion, 0.3, y, None, g_prod, dw)
     expected = _dense_correction(vf, y, m, dw, 0.0)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-13)
+    assert np.max(np.abs(expected)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["general_linear", "commuting_linear"])
+@pytest.mark.parametrize("small", [True, False])
+def test_ito_milstein_correction_rereads_a_small_derivative(name, small, monkeypatch):
+    # g = A y with A stored bigger than g: for a small A the step's JVP and trace term (two
+    # passes over A, `None` here), for a big one the single contraction.
+    vf, shape = DIFFUSIONS[name]
+    size = np.size(_B_GENERAL) * 8  # bytes of A in float64
+    monkeypatch.setattr(_term_module, "_REREAD_DERIVATIVE_BYTES", size if small else size - 1)
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    dw, dt = jr.normal(jr.key(1), shape), 0.05
+    g_prod = diffusion.prod(vf(0.3, y, None), dw)
+    got = _term_module.ito_milstein_correction(diffusion, 0.3, y, None, g_prod, dw, dt)
+    if small:
+        assert got is None
+        # The step's two passes, against the dense double sum.
+        _, sym = jax.jvp(lambda y: diffusion.prod(vf(0.3, y, None), dw), (y,), (g_prod,))
+        got = sym - dt * milstein_module.ito_trace_term(diffusion, 0.3, y, None)
+    expected = _dense_correction(vf, y, int(np.prod(shape)), dw, dt)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
     assert np.max(np.abs(expected)) > 1e-3
 
 
@@ -524,7 +549,9 @@ def test_linear_diffusion_prod_forms_no_matrix():
     np.testing.assert_allclose(prod(y, G, dw), term.vf_prod(0.3, y, G, dw), rtol=1e-13)
 
 
-def test_ito_milstein_correction_pytree():
+def test_ito_milstein_correction_pytree(monkeypatch):
+    # The single contraction (taken for a derivative too big to read twice cheaply).
+    monkeypatch.setattr(_term_module, "_REREAD_DERIVATIVE_BYTES", 0)
     diffusion = dfx.ControlTerm(_vf_tree, _DictBrownianPath(_vbt((3,), jr.key(0))))
     y = {"a": jnp.array([0.8, -0.5]), "b": jnp.array([1.2, 0.3, -0.7])}
     flat_dw = jnp.array([0.3, -0.8, 0.5])
