@@ -384,10 +384,9 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
     Where moreover the diffusion is linear in the state, $g = D y$ with one state and one
     control array (for $g_{ij} = y_i G_{ij}$), a matrix term $g$ is contracted as
     $(D \\cdot D) \\cdot y$: the two copies of the derivative first, then `y`. For a delta
-    times $G$ that is a sum of squares of $G$ over the noise channels (one reduction, or
-    for $G$ of a middling size a product with ones: `_SQUARES_BY_PRODUCT`), which reads
-    $G$ alone and depends on nothing else, so that XLA hoists it out of a solve's loop,
-    where the contraction with $g$ reads $G$ and $g$ at every step."""
+    times $G$ that is a sum of squares of $G$ over the noise channels (one reduction),
+    which reads $G$ alone and depends on nothing else, so that XLA hoists it out of a
+    solve's loop, where the contraction with $g$ reads $G$ and $g$ at every step."""
     matrix = jtu.tree_leaves(materialise(term, t, y, args))
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     y_leaves, y_tree = jtu.tree_flatten(y)
@@ -461,17 +460,6 @@ def _linear_in_state(term, t, y, args) -> bool:
     return not may_add_constants(closed.jaxpr, [True] * len(closed.jaxpr.invars))
 
 
-# Where the derivative stores more than the first and at most the second of these many
-# entries, the sum of squares of `_linear_trace` (for g_ij = y_i G_ij, sum_j G_ij^2) is a
-# product with ones; otherwise a reduction. XLA's CPU backend runs such a reduction as a
-# YNNPACK fusion which, depending on nothing else in the step, runs beside the Brownian
-# increment's sampling: cheap for a few hundred entries, but in benchmarks/step_cost.py at
-# d = m = 64 and 256 it made the Itô step 2.3x and 2.7x Euler's where the Stratonovich step
-# was 1.2x and 0.8x. The product with ones writes and reads the squares once more, which
-# for a large G costs more than the fusion's overhead (d = m = 1024).
-_SQUARES_BY_PRODUCT = (2**10, 2**16)
-
-
 def _linear_trace(d, y, nq: int):
     """$\\sum_{j, k} D_{i j k}\\, g_{k j}$ for a diffusion linear in the one state array
     `y`, $g_{k j} = \\sum_l D_{k j l}\\, y_l$, with `d` the (plain) block of $D$: the two
@@ -492,8 +480,7 @@ def _linear_trace(d, y, nq: int):
     second = (d.val, tuple(rename[label] for label in d.val_labels))
     state = tuple(rename[label] for label in in_labels)
     keep = y_labels + tuple(label for label in state if label not in y_labels)
-    low, high = _SQUARES_BY_PRODUCT
-    if set(first[1]) == set(second[1]) and not low < jnp.size(first[0]) <= high:
+    if set(first[1]) == set(second[1]):
         # The product, then a sum: one reduction over the noise channels (a sum of squares
         # for a delta times G), which XLA runs without writing the product.
         every = first[1]
@@ -501,12 +488,68 @@ def _linear_trace(d, y, nq: int):
             [(first[0] * place(second[0], second[1], every), every)], keep, sizes
         )
     else:
-        # (Over the same labels, a sum of squares of a middling size: `contract` forms the
-        # product and then a matrix-vector product with ones; see `_SQUARES_BY_PRODUCT`.)
         val, labels = contract([first, second], keep, sizes)
     val, labels = contract([(jnp.asarray(val), labels), (y, state)], y_labels, sizes)
     val = place(jnp.asarray(val), labels, y_labels)
     return jnp.broadcast_to(val, jnp.shape(y))
+
+
+def linear_diffusion_prod(term, t, y, args, control):
+    """`term.vf_prod(t, y, args, control)`, $g(y)\\, c$, for a diffusion linear in the one
+    state array `y` (general noise, one control array) whose structured derivative $D$
+    stores no more numbers than $g$: one contraction of $D$ with `control` and then with
+    `y`, without forming $g$ (for $g_{ij} = y_i G_{ij}$, $y \\odot (G c)$). `None` where
+    this does not apply; there `term.vf_prod` forms $g$ and multiplies it.
+
+    Forming $g$ writes and reads a $d \\times m$ array that the Milstein step needs for
+    nothing else here: its correction contracts $D$ with $g\\, c$ and $c$ (for
+    $g_{ij} = y_i G_{ij}$ the same $G c$, which XLA computes once) and its trace term reads
+    $D$ alone."""
+    if _is_complex(term, t, y, args):
+        return None
+    y_leaves, c_leaves = jtu.tree_leaves(y), jtu.tree_leaves(control)
+    if len(y_leaves) != 1 or len(c_leaves) != 1:
+        return None
+    api = "diffrax_linearize.ItoMilstein"
+    if _noise_structure(term, t, y, args, api) != "general":
+        return None
+    (yq,), (c,) = y_leaves, c_leaves
+    (g_struct,) = jtu.tree_leaves(jax.eval_shape(lambda y: materialise(term, t, y, args), y))
+    out_struct = jax.eval_shape(lambda y, c: term.vf_prod(t, y, args, c), y, control)
+    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
+    d = dblocks[0][0]
+    if d is None:
+        return None
+    d = ell_to_plain(d)
+    if jnp.size(d.val) > g_struct.size or not _linear_in_state(term, t, y, args):
+        return None
+    nq = jnp.ndim(yq)
+    y_labels = tuple(d.out_labels[:nq])
+    c_labels = tuple(d.out_labels[nq:])
+    in_labels = tuple(d.in_labels)
+    (out_leaf,) = jtu.tree_leaves(out_struct)
+    dtype = out_leaf.dtype
+    # The control first: for g_ij = y_i G_ij the matrix-vector product G c, then y.
+    keep = y_labels + tuple(label for label in in_labels if label not in y_labels)
+    val, labels = contract([(d.val, d.val_labels), (c, c_labels)], keep, d.sizes)
+    val, labels = contract([(jnp.asarray(val), labels), (yq, in_labels)], y_labels, d.sizes)
+    val = place(jnp.asarray(val), labels, y_labels)
+    out = jnp.broadcast_to(val, out_leaf.shape).astype(dtype)
+    return jtu.tree_unflatten(jtu.tree_structure(out_struct), [out])
+
+
+# Up to this many bytes, a derivative stored bigger than g (g = A y) is read twice by the Itô
+# step rather than once: the one contraction with W = (g dW) dW^T - dt g forms W entry by
+# entry after the Brownian increment is drawn, and XLA fuses the increment's elementwise
+# sampling (`erf_inv`) into that loop, recomputing it for each of the d*m entries (at
+# d = m = 64 that loop cost as much as a pass over A). The JVP instead reads the increment
+# through matrix-vector products only, and the trace term's pass needs no increment, so it
+# runs while the increment is drawn. Measured in benchmarks/step_cost.py (dense_linear): the
+# two passes faster at d = m <= 64 (A up to 1 MiB in float32), the one pass at 96 and above,
+# where A no longer fits in a core's cache (2 MiB of L2 there) and a pass costs its memory
+# traffic. Under adaptive steps the error estimate needs the symmetric double sum, which is
+# the JVP, so there the two passes are never more.
+_REREAD_DERIVATIVE_BYTES = 2**21
 
 
 def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
@@ -519,10 +562,29 @@ def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
     With $D_{i j k} = \\partial g_{i j} / \\partial y_k$ the sum is
     $\\sum_{j, k} D_{i j k} \\big((g \\Delta W)_k \\Delta W_j - \\Delta t\\, g_{k j}\\big)$:
     a contraction of the structured derivative with a matrix shaped like $g$, so each
-    stored entry of $D$ is read once (for $g(y) = A y$ one pass over $A$ instead of two)."""
+    stored entry of $D$ is read once (for $g(y) = A y$ one pass over $A$ instead of two).
+
+    Except where the derivative is stored bigger than $g$ but small
+    (`_REREAD_DERIVATIVE_BYTES`): there `None`, and the step takes the JVP (one pass over
+    $D$ along $g \\Delta W$) and the trace term (another, which needs no $\\Delta W$)."""
     if _is_complex(term, t, y, args):
         return None
     if _noise_structure(term, t, y, args, "diffrax_linearize.ItoMilstein") != "general":
+        return None
+    matrix = jtu.tree_leaves(materialise(term, t, y, args))
+    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
+    n_y, n_c = len(jtu.tree_leaves(y)), len(jtu.tree_leaves(dw))
+    bigger = [
+        ell_to_plain(d).val
+        for q in range(n_y)
+        for p in range(n_c)
+        for r in range(n_y)
+        if (d := dblocks[q * n_c + p][r]) is not None
+        and jnp.size(ell_to_plain(d).val) > jnp.size(matrix[r * n_c + p])
+    ]
+    if bigger and sum(jnp.size(v) * jnp.dtype(v.dtype).itemsize for v in bigger) <= (
+        _REREAD_DERIVATIVE_BYTES
+    ):
         return None
     g_leaves = jtu.tree_leaves(g_prod)
     dw_leaves = jtu.tree_leaves(dw)

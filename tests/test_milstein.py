@@ -6,6 +6,8 @@ rounding), exact solutions of geometric Brownian motion for the strong order, a 
 `RecursiveCheckpointAdjoint`) for gradients.
 """
 
+import re
+
 import jax
 
 
@@ -367,7 +369,9 @@ def _dense_correction(vf, y, m, dw, dt):
         "column_scaled_linear",
     ],
 )
-def test_ito_milstein_correction_against_jacfwd(name, dtype):
+def test_ito_milstein_correction_against_jacfwd(name, dtype, monkeypatch):
+    # (For A y the one contraction is taken only for an A too big to read twice cheaply.)
+    monkeypatch.setattr(_term_module, "_REREAD_DERIVATIVE_BYTES", 0)
     vf, shape = DIFFUSIONS[name]
     m = int(np.prod(shape))
     diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
@@ -397,6 +401,29 @@ def test_stratonovich_milstein_correction_against_jacfwd(name):
     got = _term_module.stratonovich_milstein_correction(diffusion, 0.3, y, None, g_prod, dw)
     expected = _dense_correction(vf, y, m, dw, 0.0)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-13)
+    assert np.max(np.abs(expected)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["general_linear", "commuting_linear"])
+@pytest.mark.parametrize("small", [True, False])
+def test_ito_milstein_correction_rereads_a_small_derivative(name, small, monkeypatch):
+    # g = A y with A stored bigger than g: for a small A the step's JVP and trace term (two
+    # passes over A, `None` here), for a big one the single contraction.
+    vf, shape = DIFFUSIONS[name]
+    size = np.size(_B_GENERAL) * 8  # bytes of A in float64
+    monkeypatch.setattr(_term_module, "_REREAD_DERIVATIVE_BYTES", size if small else size - 1)
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    dw, dt = jr.normal(jr.key(1), shape), 0.05
+    g_prod = diffusion.prod(vf(0.3, y, None), dw)
+    got = _term_module.ito_milstein_correction(diffusion, 0.3, y, None, g_prod, dw, dt)
+    if small:
+        assert got is None
+        # The step's two passes, against the dense double sum.
+        _, sym = jax.jvp(lambda y: diffusion.prod(vf(0.3, y, None), dw), (y,), (g_prod,))
+        got = sym - dt * milstein_module.ito_trace_term(diffusion, 0.3, y, None)
+    expected = _dense_correction(vf, y, int(np.prod(shape)), dw, dt)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
     assert np.max(np.abs(expected)) > 1e-3
 
 
@@ -451,23 +478,20 @@ def test_ito_milstein_correction_leaves_simple_noise_to_the_jvp(name):
     assert _term_module.ito_milstein_correction(diffusion, 0.3, y, None, g_prod, dw, 0.1) is None
 
 
-@pytest.mark.parametrize("by_product", [False, True], ids=["reduction", "product_with_ones"])
-def test_sum_of_squares_both_ways(by_product, monkeypatch):
-    # The trace term of g_ij = y_i G_ij, y_i sum_j G_ij^2, is a product with ones for G of
-    # a middling size and a reduction otherwise: both against the dense jacfwd references.
-    size = np.size(_B_GENERAL[:, :, 0])
-    window = (size - 1, size) if by_product else (size, 2 * size)
-    monkeypatch.setattr(_term_module, "_SQUARES_BY_PRODUCT", window)
+def test_sum_of_squares_is_a_reduction():
+    # The trace term of g_ij = y_i G_ij, y_i sum_j G_ij^2: one reduction of the squares
+    # over the noise channels (read by nothing else, so hoisted out of a solve's loop),
+    # against the dense jacfwd references.
     vf, shape = DIFFUSIONS["row_scaled_linear"]
     m = int(np.prod(shape))
     diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
     y = jnp.array([0.7, -1.1, 0.4])
     got = milstein_module.ito_trace_term(diffusion, 0.3, y, None)
     np.testing.assert_allclose(got, _dense_trace(vf, y, m), rtol=1e-13, atol=1e-14)
-    # Which branch was taken, with G an argument (a closed-over G is summed in NumPy).
+    # With G an argument (a closed-over G is summed in NumPy).
     row_scaled = dfx.ControlTerm(lambda t, y, G: y[:, None] * G, _vbt(shape, jr.key(0)))
     trace = lambda G: milstein_module.ito_trace_term(row_scaled, 0.3, y, G)  # noqa: E731
-    assert ("reduce_sum" in str(jax.make_jaxpr(trace)(_B_GENERAL[:, :, 0]))) != by_product
+    assert "reduce_sum" in str(jax.make_jaxpr(trace)(_B_GENERAL[:, :, 0]))
     np.testing.assert_allclose(trace(_B_GENERAL[:, :, 0]), got, rtol=1e-13, atol=1e-14)
     dw, dt = jr.normal(jr.key(1), (m,)), 0.05
     g_prod = diffusion.prod(vf(0.3, y, None), dw)
@@ -477,7 +501,57 @@ def test_sum_of_squares_both_ways(by_product, monkeypatch):
     assert np.max(np.abs(expected)) > 1e-3
 
 
-def test_ito_milstein_correction_pytree():
+@pytest.mark.parametrize(
+    "name, applies",
+    [
+        ("row_scaled_linear", True),
+        ("column_scaled_linear", True),
+        ("general_linear", False),  # A y: the derivative A is bigger than g
+        ("commuting_linear", False),
+        ("row_scaled", False),  # sin(y_i) G_ij: not linear
+        ("diagonal_dense", False),
+        ("diagonal_lineax", False),
+        ("additive", False),
+    ],
+)
+def test_linear_diffusion_prod(name, applies):
+    # g(y) dW without forming g, for a linear diffusion with a compactly stored derivative:
+    # against the term's own `vf_prod`.
+    vf, shape = DIFFUSIONS[name]
+    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    y = jnp.array([0.7, -1.1, 0.4])
+    dw = jr.normal(jr.key(1), shape)
+    got = _term_module.linear_diffusion_prod(diffusion, 0.3, y, None, dw)
+    if not applies:
+        assert got is None
+        return
+    expected = diffusion.vf_prod(0.3, y, None, dw)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-14)
+    assert np.max(np.abs(expected)) > 1e-3
+
+
+def test_linear_diffusion_prod_forms_no_matrix():
+    # For g_ij = y_i G_ij (G an argument), y * (G dW): in the compiled program no d x m
+    # array but G itself, where the term's `vf_prod` forms g.
+    m = 4
+    term = dfx.ControlTerm(lambda t, y, G: y[:, None] * G, _vbt((m,), jr.key(0)))
+    G = jr.normal(jr.key(2), (D, m))
+    y, dw = jnp.array([0.7, -1.1, 0.4]), jr.normal(jr.key(1), (m,))
+
+    def matrices(fn):
+        hlo = jax.jit(fn).lower(y, G, dw).compile().as_text()
+        return [line for line in hlo.splitlines() if re.search(rf"= \w+\[{D},{m}\]", line)]
+
+    prod = lambda y, G, dw: _term_module.linear_diffusion_prod(term, 0.3, y, G, dw)  # noqa: E731
+    assert all("parameter(" in line for line in matrices(prod))
+    assert not all("parameter(" in line for line in matrices(lambda *a: term.vf_prod(0.3, *a)))
+    np.testing.assert_allclose(prod(y, G, dw), term.vf_prod(0.3, y, G, dw), rtol=1e-13)
+
+
+def test_ito_milstein_correction_pytree(monkeypatch):
+    # The single contraction (taken for a derivative too big to read twice cheaply).
+    monkeypatch.setattr(_term_module, "_REREAD_DERIVATIVE_BYTES", 0)
     diffusion = dfx.ControlTerm(_vf_tree, _DictBrownianPath(_vbt((3,), jr.key(0))))
     y = {"a": jnp.array([0.8, -0.5]), "b": jnp.array([1.2, 0.3, -0.7])}
     flat_dw = jnp.array([0.3, -0.8, 0.5])

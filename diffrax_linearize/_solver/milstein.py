@@ -33,6 +33,7 @@ from jaxtyping import ArrayLike, Bool, PyTree, Real, Scalar
 
 from .._term import (
     ito_milstein_correction,
+    linear_diffusion_prod,
     milstein_trace_term,
     stratonovich_milstein_correction,
 )
@@ -208,13 +209,17 @@ def _milstein_parts(
     dw = diffusion.contr(t0, t1)
 
     f0_prod = drift.vf_prod(t0, y0, args, dt)
-    g0_prod = diffusion.vf_prod(t0, y0, args, dw)
+    # For a linear diffusion with a compactly stored derivative, without forming g.
+    g0_prod = linear_diffusion_prod(diffusion, t0, y0, args, dw)
+    if g0_prod is None:
+        g0_prod = diffusion.vf_prod(t0, y0, args, dw)
 
     # sum_{j1, j2} (L^{j1} g_{:, j2}) dw_{j1} dw_{j2}: the derivative of y -> g(y) dw in
     # the direction g(y0) dw. One JVP, unless the structured derivative does it cheaper.
     if ito:
         # For general noise, the whole Itô double sum in one contraction of the structured
-        # derivative of the diffusion (each stored entry read once).
+        # derivative of the diffusion (each stored entry read once), except for a small
+        # derivative stored bigger than g: see `_term._REREAD_DERIVATIVE_BYTES`.
         correction = ito_milstein_correction(diffusion, t0, y0, args, g0_prod, dw, dt)
     else:
         # For general noise with a compactly stored derivative, one matrix-vector product
