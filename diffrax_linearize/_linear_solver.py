@@ -361,6 +361,27 @@ class _Krylov(_State):
         return jnp.reshape(x, shape), result, {"num_steps": iters}
 
 
+def matrix_free(state, mv):
+    """The state `state` of [`diffrax_linearize.StructuredLinearSolver`][] for solves with
+    the operator whose product is `mv` (flat vectors to flat vectors), when that state is
+    GMRES's, which only multiplies by its operator: its preconditioner stays the one made
+    from the materialised operator. Any other state (a factorisation) is returned as it
+    is. For an integrator that knows a cheaper product than the materialised operator's
+    (forward-mode differentiation of its vector field); `mv` must be the product by the
+    operator `state` was made from, up to rounding."""
+    if not isinstance(state, _Krylov):
+        return state
+    structure = state.operator.in_structure()
+    if structure != state.operator.out_structure():
+        return state
+
+    def fn(x):
+        return jnp.reshape(mv(jnp.reshape(x, (-1,))), structure.shape)
+
+    operator = lx.FunctionLinearOperator(fn, structure)
+    return _Krylov(operator, state.inverse_diagonal, state.preconditioner, state.solver)
+
+
 class _Delegate(_State):
     """A lineax solver's state, for the operators lineax solves well itself."""
 
