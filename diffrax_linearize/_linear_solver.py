@@ -361,14 +361,29 @@ class _Krylov(_State):
         return jnp.reshape(x, shape), result, {"num_steps": iters}
 
 
+class _MatrixFree(_State):
+    """GMRES's state `krylov` multiplying by `function` (a `lineax.FunctionLinearOperator`)
+    in place of the materialised `operator` it was made from, which still serves its
+    transpose (a solve of the adjoint system in reverse-mode differentiation)."""
+
+    krylov: "_Krylov"
+    function: lx.AbstractLinearOperator
+
+    def solve(self, vector, options):
+        k = self.krylov
+        return _Krylov(self.function, k.inverse_diagonal, k.preconditioner, k.solver).solve(
+            vector, options
+        )
+
+
 def matrix_free(state, mv):
     """The state `state` of [`diffrax_linearize.StructuredLinearSolver`][] for solves with
     the operator whose product is `mv` (flat vectors to flat vectors), when that state is
     GMRES's, which only multiplies by its operator: its preconditioner stays the one made
-    from the materialised operator. Any other state (a factorisation) is returned as it
-    is. For an integrator that knows a cheaper product than the materialised operator's
-    (forward-mode differentiation of its vector field); `mv` must be the product by the
-    operator `state` was made from, up to rounding."""
+    from the materialised operator, and so does its transpose. Any other state (a
+    factorisation) is returned as it is. For an integrator that knows a cheaper product
+    than the materialised operator's (forward-mode differentiation of its vector field);
+    `mv` must be the product by the operator `state` was made from, up to rounding."""
     if not isinstance(state, _Krylov):
         return state
     structure = state.operator.in_structure()
@@ -378,8 +393,7 @@ def matrix_free(state, mv):
     def fn(x):
         return jnp.reshape(mv(jnp.reshape(x, (-1,))), structure.shape)
 
-    operator = lx.FunctionLinearOperator(fn, structure)
-    return _Krylov(operator, state.inverse_diagonal, state.preconditioner, state.solver)
+    return _MatrixFree(state.operator, state, lx.FunctionLinearOperator(fn, structure))
 
 
 class _Delegate(_State):

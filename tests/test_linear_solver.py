@@ -186,6 +186,10 @@ def test_matrix_free(krylov):
     A = np.asarray(op.as_matrix())
     expected = np.linalg.solve(A + np.eye(A.shape[0]), np.asarray(b))
     np.testing.assert_allclose(x, expected, rtol=1e-8, atol=1e-9)
+    # Its transpose is the materialised operator's (for a solve of the adjoint system).
+    transposed = shifted.transpose(solver, {})
+    x, _, _ = transposed.solve(b, {})
+    np.testing.assert_allclose(x, np.linalg.solve(A.T, np.asarray(b)), rtol=1e-8, atol=1e-9)
     lu_state = lx.LU().init(op, {})
     assert _linear_solver.matrix_free(lu_state, op.mv) is lu_state
     direct = dl.StructuredLinearSolver(dense_below=1000).init(op, {})  # dense LU

@@ -580,9 +580,12 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             # differentiation of the vector field at the Jacobian's point, a pass over the
             # state as cheap as an evaluation of f, where a product by the materialised
             # operator gathers every entry of every row (several times the cost).
+            # Without derivatives, as the factorisation (`_factor`).
+            t, y, r = jax.lax.stop_gradient((t_J, y_J, c_W / h))
+
             def mv(v):
-                _, jv = jax.jvp(lambda z: g(t_J, z), (y_J,), (v,))
-                return v - (c_W / h) * jv
+                _, jv = jax.jvp(lambda z: g(t, z), (y,), (v,))
+                return v - r * jv
 
             factorisation = matrix_free(factorisation, mv)
 
