@@ -363,8 +363,8 @@ class _Krylov(_State):
 
 class _MatrixFree(_State):
     """GMRES's state `krylov` multiplying by `function` (a `lineax.FunctionLinearOperator`)
-    in place of the materialised `operator` it was made from, which still serves its
-    transpose (a solve of the adjoint system in reverse-mode differentiation)."""
+    in place of the materialised `operator`, which still serves its transpose (a solve of
+    the adjoint system in reverse-mode differentiation)."""
 
     krylov: "_Krylov"
     function: lx.AbstractLinearOperator
@@ -376,14 +376,52 @@ class _MatrixFree(_State):
         )
 
 
-def matrix_free(state, mv):
+class _Preconditioner(_State):
+    """GMRES's Jacobi preconditioner alone, without the operator it was made from (its
+    `operator` is a placeholder of the same structure): what an integrator that
+    multiplies by its own function carries between steps (see `detach`). It solves
+    nothing until [`matrix_free`][] gives it that function."""
+
+    inverse_diagonal: Array
+    solver: "StructuredLinearSolver" = eqx.field(static=True)
+
+    def solve(self, vector, options):
+        raise ValueError(
+            f"`{_API}`: a detached GMRES state solves only through `matrix_free` (a bug "
+            "in diffrax_linearize: please report it)."
+        )
+
+    def transpose(self, solver, options):
+        return self.solve(None, options)
+
+
+def detach(state):
+    """GMRES's state `state` without the materialised operator it holds, to be carried
+    between the steps of an integrator that multiplies by its own function (see
+    [`matrix_free`][], which gives that state back its operators): the operator is as
+    large as the Jacobian, and a step's `lax.cond`s and Diffrax's choice between the new
+    and the old solver state copy it at every step. Any other state is returned as it
+    is."""
+    if not isinstance(state, _Krylov) or state.preconditioner is not None:
+        return state
+    structure = state.operator.in_structure()
+    if structure != state.operator.out_structure():
+        return state
+    identity = lx.IdentityLinearOperator(structure)
+    return _Preconditioner(identity, state.inverse_diagonal, state.solver)
+
+
+def matrix_free(state, mv, operator):
     """The state `state` of [`diffrax_linearize.StructuredLinearSolver`][] for solves with
-    the operator whose product is `mv` (flat vectors to flat vectors), when that state is
-    GMRES's, which only multiplies by its operator: its preconditioner stays the one made
-    from the materialised operator, and so does its transpose. Any other state (a
-    factorisation) is returned as it is. For an integrator that knows a cheaper product
-    than the materialised operator's (forward-mode differentiation of its vector field);
-    `mv` must be the product by the operator `state` was made from, up to rounding."""
+    `operator` (materialised, the one `state` was made from) by its product `mv` (flat
+    vectors to flat vectors), when that state is GMRES's (made by `init`, or `detach`ed),
+    which only multiplies by its operator: its preconditioner stays the one made from the
+    materialised operator, and so does its transpose. Any other state (a factorisation) is
+    returned as it is. For an integrator that knows a cheaper product than the
+    materialised operator's (forward-mode differentiation of its vector field); `mv` must
+    be the product by `operator`, up to rounding."""
+    if isinstance(state, _Preconditioner):
+        state = _Krylov(operator, state.inverse_diagonal, None, state.solver)
     if not isinstance(state, _Krylov):
         return state
     structure = state.operator.in_structure()
@@ -393,7 +431,7 @@ def matrix_free(state, mv):
     def fn(x):
         return jnp.reshape(mv(jnp.reshape(x, (-1,))), structure.shape)
 
-    return _MatrixFree(state.operator, state, lx.FunctionLinearOperator(fn, structure))
+    return _MatrixFree(operator, state, lx.FunctionLinearOperator(fn, structure))
 
 
 class _Delegate(_State):

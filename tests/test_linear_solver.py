@@ -181,7 +181,7 @@ def test_matrix_free(krylov):
     op, b, y0 = krylov
     solver = dl.StructuredLinearSolver(dense_below=0)
     state = solver.init(op, {})
-    shifted = _linear_solver.matrix_free(state, lambda x: op.mv(x) + x)
+    shifted = _linear_solver.matrix_free(state, lambda x: op.mv(x) + x, op)
     x = lx.linear_solve(op, b, solver, state=shifted).value
     A = np.asarray(op.as_matrix())
     expected = np.linalg.solve(A + np.eye(A.shape[0]), np.asarray(b))
@@ -190,11 +190,20 @@ def test_matrix_free(krylov):
     transposed = shifted.transpose(solver, {})
     x, _, _ = transposed.solve(b, {})
     np.testing.assert_allclose(x, np.linalg.solve(A.T, np.asarray(b)), rtol=1e-8, atol=1e-9)
+    # Detached from its operator (as an integrator carries it), it solves only once given
+    # one back.
+    detached = _linear_solver.detach(state)
+    with pytest.raises(ValueError, match="matrix_free"):
+        detached.solve(b, {})
+    again = _linear_solver.matrix_free(detached, lambda x: op.mv(x) + x, op)
+    x_again = lx.linear_solve(op, b, solver, state=again).value
+    np.testing.assert_allclose(x_again, expected, rtol=1e-8, atol=1e-9)
     lu_state = lx.LU().init(op, {})
-    assert _linear_solver.matrix_free(lu_state, op.mv) is lu_state
+    assert _linear_solver.matrix_free(lu_state, op.mv, op) is lu_state
+    assert _linear_solver.detach(lu_state) is lu_state
     direct = dl.StructuredLinearSolver(dense_below=1000).init(op, {})  # dense LU
     assert type(direct).__name__ != "_Krylov"
-    assert _linear_solver.matrix_free(direct, op.mv) is direct
+    assert _linear_solver.matrix_free(direct, op.mv, op) is direct
 
 
 @pytest.mark.slow  # two solves to compile
@@ -219,7 +228,11 @@ def test_bdf_matrix_free(monkeypatch):
         )
 
     free = solve()
-    monkeypatch.setattr(bdf_module, "matrix_free", lambda state, mv: state)
+    monkeypatch.setattr(
+        bdf_module,
+        "matrix_free",
+        lambda state, mv, op: _linear_solver.matrix_free(state, op.mv, op),
+    )
     materialised = solve()
     for key in ("num_accepted_steps", "num_rejected_steps"):
         assert abs(int(free.stats[key]) - int(materialised.stats[key])) <= 1

@@ -30,7 +30,7 @@ from diffrax import (
     RESULTS,
 )
 
-from .._linear_solver import matrix_free, StructuredLinearSolver
+from .._linear_solver import detach, matrix_free, StructuredLinearSolver
 from .._materialise import solver_operator
 from .._root_finder import VeryChord
 from .rosenbrock import _affine, _check_ode, _flat_increment
@@ -366,7 +366,9 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         return eqx.filter_jvp(M_of, (s,), (jnp.ones_like(s),))
 
     def _factor(self, M):
-        return jtu.tree_map(jax.lax.stop_gradient, self.linear_solver.init(M, {}))
+        # GMRES's state is carried without its operator: `attempt` multiplies by its own.
+        state = detach(self.linear_solver.init(M, {}))
+        return jtu.tree_map(jax.lax.stop_gradient, state)
 
     def _initial_D(self, flat0, g0):
         n = flat0.shape[0]
@@ -587,7 +589,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
                 _, jv = jax.jvp(lambda z: g(t, z), (y,), (v,))
                 return v - r * jv
 
-            factorisation = matrix_free(factorisation, mv)
+            factorisation = matrix_free(factorisation, mv, M)
 
             # An iterative linear solver needs to be only as accurate as the chord iteration
             # (lineax takes no derivative through `options`).
