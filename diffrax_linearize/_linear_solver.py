@@ -213,66 +213,69 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
     Givens rotations, which give the residual's norm at every iteration, so a solve stops
     at the first iteration that meets `target` (lineax's `GMRES` checks once per cycle of
     `restart` iterations, and wants two cycles). The true residual is recomputed after
-    each cycle: a cycle ends early on the estimate, a solve only on the true residual."""
+    each cycle: a cycle ends early on the estimate, a solve only on the true residual.
+
+    The rotations are kept as their product `Q`, a small `(restart + 1)` square matrix,
+    so that an iteration applies them all in one matrix-vector product and the residual
+    is `beta Q[:, 0]`: XLA's CPU backend runs every small operation with an overhead of
+    its own (microseconds, more on a loaded machine), so a loop over the `j` rotations
+    cost more than the products of the short vectors it handles. Classical Gram-Schmidt
+    (two products with the whole basis) cost more than the few projections of a typical
+    solve (a few iterations), and the basis is not grown as needed: neither was faster
+    on the 64 x 64 Brusselator (see `git log`)."""
     n = b.size
     m = min(restart, n)
     dtype = b.dtype
     tol2 = target * math.sqrt(n)  # on the 2-norm
-    idx = jnp.arange(m)
+    idx = jnp.arange(m + 1)
 
     def cycle(v0, r, beta, iters):
         V = jnp.zeros((m + 1, n), dtype).at[0].set(r / beta.astype(dtype))
-        H = jnp.zeros((m + 1, m), dtype)
-        cs = jnp.zeros((m,), beta.dtype)
-        sn = jnp.zeros((m,), dtype)
-        g = jnp.zeros((m + 1,), dtype).at[0].set(beta.astype(dtype))
+        R = jnp.zeros((m + 1, m), dtype)
+        Q = jnp.eye(m + 1, dtype=dtype)
 
         def cond(carry):
-            j, _, _, _, _, _, done = carry
+            j, _, _, _, done = carry
             return (j < m) & ~done & (iters + j < max_iters)
 
         def body(carry):
-            j, V, H, cs, sn, g, _ = carry
+            j, V, R, Q, _ = carry
             w = mv(V[j])
-            w_norm = jnp.linalg.norm(w)
 
             def orthogonalise(i, carry):
                 w, h = carry
                 hij = jnp.vdot(V[i], w)
-                return w - hij * V[i], h.at[i].set(hij)
+                return w - hij * V[i], jnp.where(idx == i, hij, h)
 
             w, h = lax.fori_loop(0, j + 1, orthogonalise, (w, jnp.zeros((m + 1,), dtype)))
             h_next = jnp.linalg.norm(w)
-            # An invariant subspace (lucky breakdown): the solution lies in it.
+            # An invariant subspace (lucky breakdown): the solution lies in it. The norm of
+            # `w` before the projections is that of `(h, h_next)` (Pythagoras), which saves
+            # a pass over the long vector.
+            w_norm = jnp.sqrt(jnp.sum(jnp.abs(h) ** 2) + h_next**2)
             breakdown = h_next <= jnp.finfo(beta.dtype).eps * w_norm
             V = V.at[j + 1].set(jnp.where(breakdown, 0, w / jnp.where(breakdown, 1, h_next)))
-            h = h.at[j + 1].set(h_next.astype(dtype))
-
-            def rotate(i, h):
-                a, b = h[i], h[i + 1]
-                return (
-                    h.at[i]
-                    .set(cs[i] * a + sn[i] * b)
-                    .at[i + 1]
-                    .set(cs[i] * b - jnp.conj(sn[i]) * a)
-                )
-
-            h = lax.fori_loop(0, j, rotate, h)
+            h = jnp.where(idx == j + 1, h_next.astype(dtype), h)
+            # The rotations so far (rows 0 to j of Q; row j + 1 is still the identity's).
+            h = jnp.matmul(Q, h, precision=lax.Precision.HIGHEST)
             c, s, rjj = _givens(h[j], h[j + 1])
-            h = h.at[j].set(rjj).at[j + 1].set(0)
-            g = g.at[j + 1].set(-jnp.conj(s) * g[j]).at[j].set(c * g[j])
-            H = H.at[:, j].set(h)
-            done = breakdown | (jnp.abs(g[j + 1]) <= tol2)
-            return j + 1, V, H, cs.at[j].set(c), sn.at[j].set(s), g, done
+            h = jnp.where(idx == j, rjj, jnp.where(idx == j + 1, 0, h))
+            q_j, q_next = Q[j], Q[j + 1]
+            Q = Q.at[j].set(c * q_j + s * q_next).at[j + 1].set(c * q_next - jnp.conj(s) * q_j)
+            R = R.at[:, j].set(h)
+            done = breakdown | (jnp.abs(beta * Q[j + 1, 0]) <= tol2)
+            return j + 1, V, R, Q, done
 
-        init = (jnp.array(0), V, H, cs, sn, g, jnp.array(False))
-        j, V, H, _, _, g, _ = lax.while_loop(cond, body, init)
+        init = (jnp.array(0), V, R, Q, jnp.array(False))
+        j, V, R, Q, _ = lax.while_loop(cond, body, init)
+        g = beta.astype(dtype) * Q[:m, 0]
         # The columns not reached are the identity's, with zeros on the right.
-        used = idx < j
-        R = jnp.where(used[None, :], H[:m], jnp.eye(m, dtype=dtype))
-        y = jax.scipy.linalg.solve_triangular(R, jnp.where(used, g[:m], 0), lower=False)
-        v = v0 + jnp.tensordot(y, V[:m], axes=1, precision=lax.Precision.HIGHEST)
-        return v, j
+        used = idx[:m] < j
+        R = jnp.where(used[None, :], R[:m], jnp.eye(m, dtype=dtype))
+        y = jax.scipy.linalg.solve_triangular(R, jnp.where(used, g, 0), lower=False)
+        # Against the whole basis, its last row weighted 0: a slice of it would be a copy.
+        y = jnp.concatenate([y, jnp.zeros((1,), dtype)])
+        return v0 + jnp.matmul(y, V, precision=lax.Precision.HIGHEST), j
 
     def outer_cond(carry):
         _, _, r_norm, iters, _, stalled = carry
@@ -356,6 +359,79 @@ class _Krylov(_State):
         if y0 is not None:
             x = x + y0
         return jnp.reshape(x, shape), result, {"num_steps": iters}
+
+
+class _MatrixFree(_State):
+    """GMRES's state `krylov` multiplying by `function` (a `lineax.FunctionLinearOperator`)
+    in place of the materialised `operator`, which still serves its transpose (a solve of
+    the adjoint system in reverse-mode differentiation)."""
+
+    krylov: "_Krylov"
+    function: lx.AbstractLinearOperator
+
+    def solve(self, vector, options):
+        k = self.krylov
+        return _Krylov(self.function, k.inverse_diagonal, k.preconditioner, k.solver).solve(
+            vector, options
+        )
+
+
+class _Preconditioner(_State):
+    """GMRES's Jacobi preconditioner alone, without the operator it was made from (its
+    `operator` is a placeholder of the same structure): what an integrator that
+    multiplies by its own function carries between steps (see `detach`). It solves
+    nothing until [`matrix_free`][] gives it that function."""
+
+    inverse_diagonal: Array
+    solver: "StructuredLinearSolver" = eqx.field(static=True)
+
+    def solve(self, vector, options):
+        raise ValueError(
+            f"`{_API}`: a detached GMRES state solves only through `matrix_free` (a bug "
+            "in diffrax_linearize: please report it)."
+        )
+
+    def transpose(self, solver, options):
+        return self.solve(None, options)
+
+
+def detach(state):
+    """GMRES's state `state` without the materialised operator it holds, to be carried
+    between the steps of an integrator that multiplies by its own function (see
+    [`matrix_free`][], which gives that state back its operators): the operator is as
+    large as the Jacobian, and a step's `lax.cond`s and Diffrax's choice between the new
+    and the old solver state copy it at every step. Any other state is returned as it
+    is."""
+    if not isinstance(state, _Krylov) or state.preconditioner is not None:
+        return state
+    structure = state.operator.in_structure()
+    if structure != state.operator.out_structure():
+        return state
+    identity = lx.IdentityLinearOperator(structure)
+    return _Preconditioner(identity, state.inverse_diagonal, state.solver)
+
+
+def matrix_free(state, mv, operator):
+    """The state `state` of [`diffrax_linearize.StructuredLinearSolver`][] for solves with
+    `operator` (materialised, the one `state` was made from) by its product `mv` (flat
+    vectors to flat vectors), when that state is GMRES's (made by `init`, or `detach`ed),
+    which only multiplies by its operator: its preconditioner stays the one made from the
+    materialised operator, and so does its transpose. Any other state (a factorisation) is
+    returned as it is. For an integrator that knows a cheaper product than the
+    materialised operator's (forward-mode differentiation of its vector field); `mv` must
+    be the product by `operator`, up to rounding."""
+    if isinstance(state, _Preconditioner):
+        state = _Krylov(operator, state.inverse_diagonal, None, state.solver)
+    if not isinstance(state, _Krylov):
+        return state
+    structure = state.operator.in_structure()
+    if structure != state.operator.out_structure():
+        return state
+
+    def fn(x):
+        return jnp.reshape(mv(jnp.reshape(x, (-1,))), structure.shape)
+
+    return _MatrixFree(operator, state, lx.FunctionLinearOperator(fn, structure))
 
 
 class _Delegate(_State):

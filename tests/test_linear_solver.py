@@ -11,6 +11,7 @@ import lineax as lx
 import numpy as np
 import pytest
 from diffrax_linearize import _linear_solver
+from diffrax_linearize._solver import bdf as bdf_module
 from helpers import brusselator_2d
 
 
@@ -170,3 +171,72 @@ def test_bdf_passes_its_tolerance(monkeypatch):
         )
     )
     assert digits(gmres) >= digits(lu) - 0.1
+
+
+def test_matrix_free(krylov):
+    # GMRES's state multiplying by a function instead of the materialised operator: the
+    # solve is that function's (here of A + I, checked against a dense solve, so that a
+    # solve still using A would fail), with the Jacobi preconditioner made from A. A
+    # factorisation's state is left as it is.
+    op, b, y0 = krylov
+    solver = dl.StructuredLinearSolver(dense_below=0)
+    state = solver.init(op, {})
+    shifted = _linear_solver.matrix_free(state, lambda x: op.mv(x) + x, op)
+    x = lx.linear_solve(op, b, solver, state=shifted).value
+    A = np.asarray(op.as_matrix())
+    expected = np.linalg.solve(A + np.eye(A.shape[0]), np.asarray(b))
+    np.testing.assert_allclose(x, expected, rtol=1e-8, atol=1e-9)
+    # Its transpose is the materialised operator's (for a solve of the adjoint system).
+    transposed = shifted.transpose(solver, {})
+    x, _, _ = transposed.solve(b, {})
+    np.testing.assert_allclose(x, np.linalg.solve(A.T, np.asarray(b)), rtol=1e-8, atol=1e-9)
+    # Detached from its operator (as an integrator carries it), it solves only once given
+    # one back.
+    detached = _linear_solver.detach(state)
+    with pytest.raises(ValueError, match="matrix_free"):
+        detached.solve(b, {})
+    again = _linear_solver.matrix_free(detached, lambda x: op.mv(x) + x, op)
+    x_again = lx.linear_solve(op, b, solver, state=again).value
+    np.testing.assert_allclose(x_again, expected, rtol=1e-8, atol=1e-9)
+    lu_state = lx.LU().init(op, {})
+    assert _linear_solver.matrix_free(lu_state, op.mv, op) is lu_state
+    assert _linear_solver.detach(lu_state) is lu_state
+    direct = dl.StructuredLinearSolver(dense_below=1000).init(op, {})  # dense LU
+    assert type(direct).__name__ != "_Krylov"
+    assert _linear_solver.matrix_free(direct, op.mv, op) is direct
+
+
+@pytest.mark.slow  # two solves to compile
+def test_bdf_matrix_free(monkeypatch):
+    # BDF on the GMRES path multiplies by I - c J through forward-mode derivatives of the
+    # vector field: the same steps, chord iterations and end state (to the chord
+    # iteration's tolerance) as with products by the materialised operator.
+    monkeypatch.setattr(_linear_solver, "_DIRECT_FLOPS", 0)
+    field, y0 = brusselator_2d(10)
+    rtol, atol = 1e-6, 1e-8
+
+    def solve():
+        return diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: field(y)),
+            dl.BDF(max_order=5, variable_order=True),
+            0.0,
+            0.5,
+            None,
+            y0,
+            stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
+            saveat=diffrax.SaveAt(t1=True, solver_state=True),
+        )
+
+    free = solve()
+    monkeypatch.setattr(
+        bdf_module,
+        "matrix_free",
+        lambda state, mv, op: _linear_solver.matrix_free(state, op.mv, op),
+    )
+    materialised = solve()
+    for key in ("num_accepted_steps", "num_rejected_steps"):
+        assert abs(int(free.stats[key]) - int(materialised.stats[key])) <= 1
+    iterations = lambda s: int(s.solver_state.num_newton_iterations)
+    assert abs(iterations(free) - iterations(materialised)) <= 2
+    scale = atol + rtol * jnp.abs(materialised.ys[-1])
+    assert float(jnp.max(jnp.abs(free.ys[-1] - materialised.ys[-1]) / scale)) < 1

@@ -30,7 +30,7 @@ from diffrax import (
     RESULTS,
 )
 
-from .._linear_solver import StructuredLinearSolver
+from .._linear_solver import detach, matrix_free, StructuredLinearSolver
 from .._materialise import solver_operator
 from .._root_finder import VeryChord
 from .rosenbrock import _affine, _check_ode, _flat_increment
@@ -115,6 +115,8 @@ class BDFState(eqx.Module):
         $I - c J = M_J + ((c - c_J)/h_J)\, dM$.
     - `h_J`, `c_J`: the step size and the coefficient $c = h / \alpha_q$ of the
         Jacobian; `c_W`: the coefficient of the factorisation.
+    - `t_J`, `y_J`: where the Jacobian was evaluated (for its products by forward-mode
+        differentiation of the vector field, when the linear solver is GMRES).
     - `factorisation`: the linear solver's state for $I - c_W J$.
     - `jacobian_age`: the accepted steps since the Jacobian was evaluated.
     - `slow`: whether the last step's chord iteration converged slowly (the next step
@@ -137,6 +139,8 @@ class BDFState(eqx.Module):
     dM: lx.AbstractLinearOperator
     h_J: Any
     c_J: Any
+    t_J: Any
+    y_J: Any
     c_W: Any
     factorisation: Any
     jacobian_age: Any
@@ -362,7 +366,9 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         return eqx.filter_jvp(M_of, (s,), (jnp.ones_like(s),))
 
     def _factor(self, M):
-        return jtu.tree_map(jax.lax.stop_gradient, self.linear_solver.init(M, {}))
+        # GMRES's state is carried without its operator: `attempt` multiplies by its own.
+        state = detach(self.linear_solver.init(M, {}))
+        return jtu.tree_map(jax.lax.stop_gradient, state)
 
     def _initial_D(self, flat0, g0):
         n = flat0.shape[0]
@@ -388,6 +394,8 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             dM=dM,
             h_J=h,
             c_J=c,
+            t_J=t0.astype(dtype),
+            y_J=flat0,
             c_W=c,
             factorisation=self._factor(M_J),
             jacobian_age=zero,
@@ -548,11 +556,11 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
         def fresh_jacobian():
             M_J, dM = self._jacobian(g, t1, y_predict, 1 / alpha_q)
-            return M_J, dM, h, c
+            return M_J, dM, h, c, jnp.asarray(t1).astype(dtype), y_predict
 
         refresh = made_jump | st.slow | (st.jacobian_age >= self.jacobian_every)
-        M_J, dM, h_J, c_J = jax.lax.cond(
-            refresh, fresh_jacobian, lambda: (st.M_J, st.dM, st.h_J, st.c_J)
+        M_J, dM, h_J, c_J, t_J, y_J = jax.lax.cond(
+            refresh, fresh_jacobian, lambda: (st.M_J, st.dM, st.h_J, st.c_J, st.t_J, st.y_J)
         )
         ratio = c / st.c_W
         refactor = refresh | (ratio > self.refactor_ratio) | (ratio < 1 / self.refactor_ratio)
@@ -567,8 +575,21 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         )
         rate0 = jnp.where(refactor, jnp.ones((), dtype), st.rate)
 
-        def attempt(M_J, dM, h_J, c_J, c_W, factorisation, rate0):
+        def attempt(M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation, rate0):
             M = operator(M_J, dM, h_J, c_J, c_W)
+
+            # For GMRES, which only multiplies by M = I - c_W J: J v by forward-mode
+            # differentiation of the vector field at the Jacobian's point, a pass over the
+            # state as cheap as an evaluation of f, where a product by the materialised
+            # operator gathers every entry of every row (several times the cost).
+            # Without derivatives, as the factorisation (`_factor`).
+            t, y, r = jax.lax.stop_gradient((t_J, y_J, c_W / h))
+
+            def mv(v):
+                _, jv = jax.jvp(lambda z: g(t, z), (y,), (v,))
+                return v - r * jv
+
+            factorisation = matrix_free(factorisation, mv, M)
 
             # An iterative linear solver needs to be only as accurate as the chord iteration
             # (lineax takes no derivative through `options`).
@@ -582,21 +603,23 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
             return self._chord(g, t1, y_predict, psi, alpha_q, solve, c, c_W, rate0, scale)
 
-        first = attempt(M_J, dM, h_J, c_J, c_W, factorisation, rate0)
+        first = attempt(M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation, rate0)
         # A failure with an old Jacobian is retried here with a new one: Diffrax would
         # discard a new Jacobian made by a rejected step, with that step's state.
         retry = ~first[0] & ~refresh
 
         def again():
-            M_J, dM, h_J, c_J = fresh_jacobian()
+            M_J, dM, h_J, c_J, t_J, y_J = fresh_jacobian()
             factorisation = self._factor(operator(M_J, dM, h_J, c_J, c))
             one = jnp.ones((), dtype)
-            out = attempt(M_J, dM, h_J, c_J, c, factorisation, one)
-            return (M_J, dM, h_J, c_J, c, factorisation), out
+            out = attempt(M_J, dM, h_J, c_J, t_J, y_J, c, factorisation, one)
+            return (M_J, dM, h_J, c_J, t_J, y_J, c, factorisation), out
 
-        (M_J, dM, h_J, c_J, c_W, factorisation), (converged, iters, y1, d, rate) = jax.lax.cond(
-            retry, again, lambda: ((M_J, dM, h_J, c_J, c_W, factorisation), first)
+        jacobian = (M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation)
+        jacobian, (converged, iters, y1, d, rate) = jax.lax.cond(
+            retry, again, lambda: (jacobian, first)
         )
+        M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation = jacobian
         iters = iters + jnp.where(retry, first[1], 0)
 
         error = error_const[q] * d
@@ -641,6 +664,8 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             dM=dM,
             h_J=h_J,
             c_J=c_J,
+            t_J=t_J,
+            y_J=y_J,
             c_W=c_W,
             factorisation=factorisation,
             jacobian_age=jnp.where(refresh | retry, 1, st.jacobian_age + 1).astype(jnp.int32),
