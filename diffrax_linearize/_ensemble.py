@@ -296,6 +296,21 @@ def solve_ensemble(
         `quantiles`, each device keeps only the statistics of the chunk it is solving.
     - `chunk_size`: how many paths each device solves at once. Defaults to all of its
         paths.
+    - `lanes`: for adaptive step sizes. If given, each device steps `lanes` paths at
+        once in one `jax.lax.while_loop`, and a lane whose path has finished takes the
+        next path of the device's queue at once, instead of waiting, as a `jax.vmap`
+        over a chunk does, for the slowest path of the chunk. The cost is then about
+        (sum of steps over paths) / `lanes` loop iterations plus a tail, rather than
+        (most steps in a chunk) per chunk: it pays off when step counts vary between
+        paths. Each path is the same solve as `diffrax.diffeqsolve` (same steps, same
+        `stats`, the same result up to rounding), started by `diffeqsolve` itself, but
+        stepped by this function's loop, so: only `saveat=diffrax.SaveAt(t0=..., t1=...,
+        fn=...)` (not `ts`, `steps` or `dense`), only `stepsize_controller` and
+        `max_steps` among the keyword arguments (no `adjoint`: no reverse-mode
+        gradients through it; forward mode works), and not together with `chunk_size`.
+        The key must enter `terms(key)` through an array field (as the key of a
+        `VirtualBrownianTree`), not a closure. Padding paths are not solved. The
+        guide's section "Refilling lanes for adaptive steps" has the details.
     - `mesh`: the `jax.sharding.Mesh` to shard paths over. Defaults to a
         one-dimensional mesh of all devices, `jax.devices()` (every host's, after
         `jax.distributed.initialize()`).

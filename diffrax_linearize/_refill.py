@@ -45,7 +45,6 @@ class _Lane(eqx.Module):
     args: PyTree
     t0: Array
     t1: Array
-    t1_clip_floor: Array
     direction: Array
     saved_t0: PyTree
     y: PyTree
@@ -89,10 +88,6 @@ class _Start(diffrax.AbstractAdjoint):
     ):
         del event, dt0, max_steps, throw, passed_solver_state, passed_controller_state
         del progress_meter
-        t1_clip_floor = t1
-        # As `diffeqsolve`'s loop: steps ending within 100 ULPs of `t1` end at `t1`.
-        for _ in range(100):
-            t1_clip_floor = prevbefore(t1_clip_floor)
 
         def save_t0(sub):
             return sub.fn(t0, init_state.y, args) if sub.t0 else None
@@ -104,7 +99,6 @@ class _Start(diffrax.AbstractAdjoint):
             args=args,
             t0=t0,
             t1=t1,
-            t1_clip_floor=t1_clip_floor,
             direction=jnp.array(0),  # filled in by `start_path`
             saved_t0=jtu.tree_map(save_t0, saveat.subs, is_leaf=_is_subsaveat),
             y=init_state.y,
@@ -179,7 +173,14 @@ def _done(lane: _Lane, max_steps: int | None) -> Bool[Array, ""]:
     return ~going
 
 
-def _step(lane: _Lane) -> _Lane:
+def _clip_floor(t1: Array) -> Array:
+    # As `diffeqsolve`'s loop: steps ending within 100 ULPs of `t1` end at `t1`.
+    for _ in range(100):
+        t1 = prevbefore(t1)
+    return t1
+
+
+def _step(lane: _Lane, t1_clip_floor: Array) -> _Lane:
     """One step of `diffeqsolve`'s loop (Diffrax 0.7.2, `_integrate.py: loop`), without
     events, dense output and intermediate saves."""
     solver, controller, terms, args = lane.solver, lane.controller, lane.terms, lane.args
@@ -200,7 +201,7 @@ def _step(lane: _Lane) -> _Lane:
         )
     )
     tprev = jnp.minimum(tprev, lane.t1)
-    tnext = clip_to_end(tprev, tnext, lane.t1, lane.t1_clip_floor, keep_step)
+    tnext = clip_to_end(tprev, tnext, lane.t1, t1_clip_floor, keep_step)
     keep = lambda a, b: jnp.where(keep_step, a, b)
     y = jtu.tree_map(keep, y, lane.y)
     solver_state = jtu.tree_map(keep, solver_state, lane.solver_state)
@@ -271,19 +272,30 @@ def solve_lanes(
     size = keys.shape[0]
     take = lambda tree, idx: jtu.tree_map(lambda x: x[idx], tree)
 
-    def start_lanes(paths):
-        idx = jnp.clip(paths, 0, size - 1)
-        return eqx.filter_vmap(start)(keys[idx], take(y0_b, idx), take(args_b, idx))
+    def start_unfixed(path):
+        path = jnp.clip(path, 0, size - 1)
+        return start(keys[path], take(y0_b, path), take(args_b, path))
 
-    paths = jnp.arange(lanes)
-    lane = start_lanes(paths)
     # `made_jump` stays a Python `False` (so that solvers skip the work of a jump at
     # trace time) unless a step can set it, as in `diffeqsolve`.
+    probe = eqx.filter_eval_shape(start_unfixed, 0)
+    stepped = eqx.filter_eval_shape(_step, probe, probe.t1)
+    traced_jump = isinstance(probe.made_jump, bool) and not isinstance(stepped.made_jump, bool)
+
+    def start_path(path):
+        lane = start_unfixed(path)
+        if traced_jump:
+            lane = eqx.tree_at(lambda s: s.made_jump, lane, jnp.asarray(lane.made_jump))
+        return lane
+
+    paths = jnp.arange(lanes)
+    lane = eqx.filter_vmap(start_path)(paths)
     one_lane = jtu.tree_map(lambda x: x[0] if eqx.is_array(x) else x, lane)
-    stepped = eqx.filter_eval_shape(_step, one_lane)
-    if isinstance(one_lane.made_jump, bool) and not isinstance(stepped.made_jump, bool):
-        lane = eqx.tree_at(lambda s: s.made_jump, lane, jnp.full(lanes, lane.made_jump))
+    # `t1` is shared by every path: its clip floor (100 sequential operations, which
+    # would dominate the cost of a restart) is computed once.
+    t1_clip_floor = _clip_floor(one_lane.t1)
     dynamic, static = eqx.partition(lane, eqx.is_array)
+
     # The caller's `saveat`: `diffeqsolve`'s copy closes over its own trace (the direction
     # of time), which must not leave `start`.
     subs = saveat.subs
@@ -294,13 +306,10 @@ def solve_lanes(
         ys = jtu.tree_map(lambda s: jnp.full((size, count) + s.shape, jnp.inf, s.dtype), struct)
         return jnp.full((size, count), jnp.inf, one_lane.tprev.dtype), ys
 
-    outputs = (
-        jtu.tree_map(allocate, subs, is_leaf=_is_subsaveat),
-        jnp.zeros(size, one_lane.num_steps.dtype),
-        jnp.zeros(size, one_lane.num_steps.dtype),
-        jnp.zeros(size, one_lane.num_steps.dtype),
-        jnp.zeros(size, jnp.asarray(one_lane.result._value).dtype),
-    )
+    # Per path: num_steps, num_accepted_steps, num_rejected_steps, result (one array, so
+    # one scatter).
+    counts = jnp.zeros((size, 4), one_lane.num_steps.dtype)
+    outputs = (jtu.tree_map(allocate, subs, is_leaf=_is_subsaveat), counts)
     active = paths < num
     done = eqx.filter_vmap(lambda lane: _done(lane, max_steps))
 
@@ -308,12 +317,13 @@ def solve_lanes(
         _, _, active, _, _ = carry
         return jnp.any(active)
 
-    def retire_and_refill(carry):
+    def retire_and_restart(retiring, carry):
+        """Writes the saves, stats and result of the `retiring` lanes' paths at their
+        indices, and restarts those lanes on the next paths of the queue."""
         dynamic, paths, active, next_path, outputs = carry
         lane = eqx.combine(dynamic, static)
-        retire = active & done(lane)
-        # Paths that finished are written at their index; `mode="drop"` skips the rest.
-        where = jnp.where(retire, paths, size)
+        # `mode="drop"` skips the lanes that are not retiring.
+        where = jnp.where(retiring, paths, size)
 
         def write(sub, saved_t0, out):
             ts, ys = out
@@ -333,45 +343,44 @@ def solve_lanes(
             ys = jtu.tree_map(lambda o, n: o.at[where].set(n, mode="drop"), ys, new_ys)
             return ts, ys
 
-        saves, num_steps, num_accepted, num_rejected, results = outputs
+        saves, counts = outputs
         saves = jtu.tree_map(write, subs, lane.saved_t0, saves, is_leaf=_is_subsaveat)
         # As `diffeqsolve`: a path stopped by `max_steps` reports it.
         going = (lane.tprev < lane.t1) & is_successful(lane.result)
         result = jnp.where(going, diffrax.RESULTS.max_steps_reached._value, lane.result._value)
-        outputs = (
-            saves,
-            num_steps.at[where].set(lane.num_steps, mode="drop"),
-            num_accepted.at[where].set(lane.num_accepted_steps, mode="drop"),
-            num_rejected.at[where].set(lane.num_rejected_steps, mode="drop"),
-            results.at[where].set(result, mode="drop"),
-        )
-        new_paths = jnp.where(retire, next_path + jnp.cumsum(retire) - 1, paths)
-        restart = retire & (new_paths < num)
-        fresh, _ = eqx.partition(start_lanes(new_paths), eqx.is_array)
-        dynamic = _select(restart, fresh, dynamic)
-        active = jnp.where(retire, restart, active)
-        next_path = next_path + jnp.sum(retire)
-        return dynamic, new_paths, active, next_path, outputs
+        new = (lane.num_steps, lane.num_accepted_steps, lane.num_rejected_steps, result)
+        new = jnp.stack([x.astype(counts.dtype) for x in new], axis=1)
+        counts = counts.at[where].set(new, mode="drop")
+        paths = jnp.where(retiring, next_path + jnp.cumsum(retiring) - 1, paths)
+        restarting = retiring & (paths < num)
+        # All lanes are started afresh (in one batch, as cheap as one lane on a
+        # vector machine) and the restarting ones kept.
+        fresh, _ = eqx.partition(eqx.filter_vmap(start_path)(paths), eqx.is_array)
+        dynamic = _select(restarting, fresh, dynamic)
+        active = jnp.where(retiring, restarting, active)
+        next_path = next_path + jnp.sum(retiring)
+        return dynamic, paths, active, next_path, (saves, counts)
 
     def body_fun(carry):
         dynamic, paths, active, next_path, outputs = carry
         lane = eqx.combine(dynamic, static)
         stepping = active & ~done(lane)
-        stepped, _ = eqx.partition(eqx.filter_vmap(_step)(lane), eqx.is_array)
+        step = lambda lane: _step(lane, t1_clip_floor)
+        stepped, _ = eqx.partition(eqx.filter_vmap(step)(lane), eqx.is_array)
         dynamic = _select(stepping, stepped, dynamic)
+        retiring = active & done(eqx.combine(dynamic, static))
         carry = dynamic, paths, active, next_path, outputs
-        # Lanes are restarted only on the iterations where some path has finished.
-        lane = eqx.combine(dynamic, static)
-        any_done = jnp.any(active & done(lane))
-        return jax.lax.cond(any_done, retire_and_refill, lambda c: c, carry)
+        # Only on the iterations where some path has finished: on a CPU the writes and
+        # the restart would otherwise dominate the cost of an iteration of a small SDE.
+        return jax.lax.cond(jnp.any(retiring), retire_and_restart, lambda _, c: c, retiring, carry)
 
     carry = (dynamic, paths, active, jnp.asarray(lanes), outputs)
     # Paths done before their first step (`t0 == t1`) are retired by the first iteration.
-    _, _, _, _, outputs = jax.lax.while_loop(cond_fun, body_fun, carry)
-    saves, num_steps, num_accepted, num_rejected, results = outputs
+    _, _, _, _, (saves, counts) = jax.lax.while_loop(cond_fun, body_fun, carry)
     ts = jtu.tree_map(lambda _, s: s[0], subs, saves, is_leaf=_is_subsaveat)
     ys = jtu.tree_map(lambda _, s: s[1], subs, saves, is_leaf=_is_subsaveat)
-    result = jtu.tree_map(lambda _: results, diffrax.RESULTS.successful)
+    result_dtype = jnp.asarray(diffrax.RESULTS.successful._value).dtype
+    result = jtu.tree_map(lambda _: counts[:, 3].astype(result_dtype), diffrax.RESULTS.successful)
     # The same for every path, as `diffeqsolve` returns them (in the caller's direction).
     t0 = jnp.full(size, one_lane.t0 * one_lane.direction)
     t1 = jnp.full(size, one_lane.t1 * one_lane.direction)
@@ -382,9 +391,9 @@ def solve_lanes(
         ys=ys,
         interpolation=None,
         stats={
-            "num_steps": num_steps,
-            "num_accepted_steps": num_accepted,
-            "num_rejected_steps": num_rejected,
+            "num_steps": counts[:, 0],
+            "num_accepted_steps": counts[:, 1],
+            "num_rejected_steps": counts[:, 2],
             "max_steps": max_steps,
         },
         result=result,
