@@ -180,6 +180,22 @@ def _clip_floor(t1: Array) -> Array:
     return t1
 
 
+def _moving(lane: _Lane) -> tuple:
+    # The fields of a lane that its steps change.
+    return (
+        lane.y,
+        lane.tprev,
+        lane.tnext,
+        lane.solver_state,
+        lane.controller_state,
+        lane.made_jump,
+        lane.result,
+        lane.num_steps,
+        lane.num_accepted_steps,
+        lane.num_rejected_steps,
+    )
+
+
 def _step(lane: _Lane, t1_clip_floor: Array) -> _Lane:
     """One step of `diffeqsolve`'s loop (Diffrax 0.7.2, `_integrate.py: loop`), without
     events, dense output and intermediate saves."""
@@ -210,18 +226,7 @@ def _step(lane: _Lane, t1_clip_floor: Array) -> _Lane:
     result = diffrax.RESULTS.where(is_okay(lane.result), solver_result, lane.result)
     result = diffrax.RESULTS.where(is_okay(result), controller_result, result)
     return eqx.tree_at(
-        lambda s: (
-            s.y,
-            s.tprev,
-            s.tnext,
-            s.solver_state,
-            s.controller_state,
-            s.made_jump,
-            s.result,
-            s.num_steps,
-            s.num_accepted_steps,
-            s.num_rejected_steps,
-        ),
+        _moving,
         lane,
         (
             y,
@@ -365,9 +370,13 @@ def solve_lanes(
         dynamic, paths, active, next_path, outputs = carry
         lane = eqx.combine(dynamic, static)
         stepping = active & ~done(lane)
-        step = lambda lane: _step(lane, t1_clip_floor)
+        step = lambda lane: _moving(_step(lane, t1_clip_floor))
         stepped, _ = eqx.partition(eqx.filter_vmap(step)(lane), eqx.is_array)
-        dynamic = _select(stepping, stepped, dynamic)
+        # Only the state that a step changes is selected (not the terms, solver, ...).
+        moving, moving_static = eqx.partition(_moving(lane), eqx.is_array)
+        moving = eqx.combine(_select(stepping, stepped, moving), moving_static)
+        lane = eqx.tree_at(_moving, lane, moving, is_leaf=lambda x: x is None)
+        dynamic, _ = eqx.partition(lane, eqx.is_array)
         retiring = active & done(eqx.combine(dynamic, static))
         carry = dynamic, paths, active, next_path, outputs
         # Only on the iterations where some path has finished: on a CPU the writes and
