@@ -9,10 +9,14 @@ import diffrax._adjoint as _diffrax_adjoint
 import jax
 import jax.extend.core as jex_core
 from diffrax._heuristics import is_sde as is_sde, is_unsafe_sde as is_unsafe_sde
+from diffrax._integrate import _clip_to_end
+from diffrax._misc import static_select as static_select
 from diffrax._root_finder import use_stepsize_tol as use_stepsize_tol
 from diffrax._saveat import save_y as save_y
+from diffrax._solution import is_okay as is_okay, is_successful as is_successful
 from diffrax._solver.srk import AbstractSRK as AbstractSRK, AdditiveCoeffs as AdditiveCoeffs
 from diffrax._step_size_controller.pid import _select_initial_step
+from equinox.internal import prevbefore as prevbefore
 from jax.extend.core import primitives as _prims
 from jax.interpreters import ad as ad, batching as batching, mlir as mlir
 
@@ -24,6 +28,9 @@ only_transpose_ys = _diffrax_adjoint._only_transpose_ys
 # Diffrax 0.7.2's initial step (Hairer, Norsett & Wanner I, section II.4), so that
 # `PredictiveController` starts where `diffrax.PIDController` does.
 select_initial_step = _select_initial_step
+# Diffrax 0.7.2's rounding of a step's end to `t1`, reused by the refilling ensemble loop
+# (`_refill.py`) so that its steps are exactly `diffeqsolve`'s.
+clip_to_end = _clip_to_end
 
 
 Jaxpr = jex_core.Jaxpr

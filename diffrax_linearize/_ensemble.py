@@ -14,6 +14,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
+from ._refill import check_lanes_options, solve_lanes, start_path
+
 
 _REDUCTIONS = ("mean", "var")
 _FAILED_MSG = (
@@ -237,6 +239,7 @@ def solve_ensemble(
     quantiles: Sequence[float] | Float[ArrayLike, " q"] | None = None,
     return_paths: bool = True,
     chunk_size: int | None = None,
+    lanes: int | None = None,
     mesh: Mesh | None = None,
     axis_names: str | Sequence[str] | None = None,
     throw: bool = True,
@@ -293,6 +296,21 @@ def solve_ensemble(
         `quantiles`, each device keeps only the statistics of the chunk it is solving.
     - `chunk_size`: how many paths each device solves at once. Defaults to all of its
         paths.
+    - `lanes`: for adaptive step sizes. If given, each device steps `lanes` paths at
+        once in one `jax.lax.while_loop`, and a lane whose path has finished takes the
+        next path of the device's queue at once, instead of waiting, as a `jax.vmap`
+        over a chunk does, for the slowest path of the chunk. The cost is then about
+        (sum of steps over paths) / `lanes` loop iterations plus a tail, rather than
+        (most steps in a chunk) per chunk: it pays off when step counts vary between
+        paths. Each path is the same solve as `diffrax.diffeqsolve` (same steps, same
+        `stats`, the same result up to rounding), started by `diffeqsolve` itself, but
+        stepped by this function's loop, so: only `saveat=diffrax.SaveAt(t0=..., t1=...,
+        fn=...)` (not `ts`, `steps` or `dense`), only `stepsize_controller` and
+        `max_steps` among the keyword arguments (no `adjoint`: no reverse-mode
+        gradients through it; forward mode works), and not together with `chunk_size`.
+        The key must enter `terms(key)` through an array field (as the key of a
+        `VirtualBrownianTree`), not a closure. Padding paths are not solved. The
+        guide's section "Refilling lanes for adaptive steps" has the details.
     - `mesh`: the `jax.sharding.Mesh` to shard paths over. Defaults to a
         one-dimensional mesh of all devices, `jax.devices()` (every host's, after
         `jax.distributed.initialize()`).
@@ -367,6 +385,18 @@ def solve_ensemble(
             "`solve_ensemble`: `chunk_size` must be a positive integer (how many paths "
             f"each device solves at once) or `None` for all of them; got {chunk_size!r}."
         )
+    if lanes is not None:
+        if isinstance(lanes, bool) or not isinstance(lanes, numbers.Integral) or lanes < 1:
+            raise ValueError(
+                "`solve_ensemble`: `lanes` must be a positive integer (how many paths "
+                f"each device steps at once) or `None`; got {lanes!r}."
+            )
+        if chunk_size is not None:
+            raise ValueError(
+                "`solve_ensemble`: pass either `chunk_size` (fixed batches of paths) or "
+                "`lanes` (lanes refilled with the next path as theirs finishes), not both."
+            )
+        check_lanes_options(saveat, diffeqsolve_kwargs)
     if mesh is None:
         mesh = Mesh(np.asarray(jax.devices()), ("paths",))
     if axis_names is None:
@@ -384,7 +414,10 @@ def solve_ensemble(
     num_devices = math.prod(mesh.shape[name] for name in axis_names)
 
     per_device = -(-num_paths // num_devices)
-    chunk = per_device if chunk_size is None else min(int(chunk_size), per_device)
+    if lanes is not None:
+        chunk = min(int(lanes), per_device)
+    else:
+        chunk = per_device if chunk_size is None else min(int(chunk_size), per_device)
     num_chunks = -(-per_device // chunk)
     padded = num_devices * per_device
     # `eqx.error_if` raises from a callback; on a mesh of several devices the other
@@ -411,6 +444,7 @@ def solve_ensemble(
         per_device=per_device,
         padded=padded,
         num_paths=num_paths,
+        refill=lanes is not None,
         mesh=mesh,
         axis_names=axis_names,
         error_if_failed=throw and single_device,
@@ -451,6 +485,7 @@ def _solve_ensemble(
     per_device,
     padded,
     num_paths,
+    refill,
     mesh,
     axis_names,
     error_if_failed,
@@ -498,6 +533,48 @@ def _solve_ensemble(
             static_out.append(static)
         return dynamic
 
+    def start_one(key, y0_i, args_i, shared_dyn):
+        shared, terms, solver, saveat, kwargs = eqx.combine(shared_dyn, shared_static)
+        y0_shared, args_shared, (t0, t1, dt0) = shared
+        y0 = eqx.combine(y0_shared if y0_i is None else y0_i, y0_static)
+        args = eqx.combine(args_shared if args_i is None else args_i, args_static)
+        return start_path(terms, solver, t0, t1, dt0, y0, args, key, saveat, kwargs)
+
+    def on_device_lanes(batched, shared_dyn):
+        keys, mask, y0_b, args_b = batched
+        # Padding is never solved: the queue holds this device's `sum(mask)` paths.
+        sols = solve_lanes(
+            lambda key, y0_i, args_i: start_one(key, y0_i, args_i, shared_dyn),
+            keys,
+            y0_b,
+            args_b,
+            jnp.sum(mask),
+            chunk,
+            diffeqsolve_kwargs.get("max_steps", 4096),
+            saveat,
+        )
+        sols, static = eqx.partition(sols, eqx.is_array)
+        if not static_out:
+            static_out.append(static)
+        used = mask & (sols.result._value == 0)
+        failed = jax.lax.psum(jnp.sum(mask & ~used, dtype=jnp.int32), axis_names)
+        num_used = num_paths - failed
+        if reductions or quantiles is not None:
+            _check_floating(sols.ys)
+        if reductions:
+            stats = jtu.tree_map(lambda x: x[None], _chunk_stats(sols.ys, used))
+            mean, var = _combine_stats(*stats, axis_names, num_used)
+        else:
+            mean = var = None
+        ts = None if sols.ts is None else jtu.tree_map(lambda x: x[0], sols.ts)
+        if quantiles is None:
+            qs = None
+        else:
+            qs = _quantiles(sols.ys, used, quantiles, num_used, axis_names)
+        if not return_paths:
+            sols = None
+        return sols, failed, mean, var, qs, ts
+
     def on_device(batched, shared_dyn):
         def per_chunk(batched_chunk):
             keys, mask, y0_b, args_b = batched_chunk
@@ -540,7 +617,7 @@ def _solve_ensemble(
         return sols, failed, mean, var, qs, ts
 
     sols, failed, mean, var, qs, ts = jax.shard_map(
-        on_device,
+        on_device_lanes if refill else on_device,
         mesh=mesh,
         in_specs=(spec, P()),
         out_specs=(spec, P(), P(), P(), P(), P()),

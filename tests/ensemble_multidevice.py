@@ -300,5 +300,56 @@ np.testing.assert_allclose(out.var, ys[ok].var(0), rtol=1e-5, atol=1e-7)
 np.testing.assert_array_equal(out.quantiles, np.quantile(ys[ok], (0.0, 0.5, 1.0), axis=0))
 checks += 3
 
+# Refilling lanes (`lanes=2`) on every device, 13 paths of very different rates (uneven:
+# two per device, and padding that is never solved): each path takes the steps of
+# `diffeqsolve` on its own, and the reductions leave out the two that run out of steps.
+rates = jnp.array([1.0, 30.0, 2.0, 300.0, 5.0, 0.5, 60.0, 1.5, 10.0, 3.0, 300.0, 0.7, 20.0])
+controller = diffrax.PIDController(rtol=1e-2, atol=1e-2)
+
+
+def lanes_reference(key, rate):
+    sol = diffrax.diffeqsolve(
+        stiff_terms(key),
+        diffrax.Heun(),
+        0.0,
+        T1,
+        DT,
+        y0,
+        rate,
+        stepsize_controller=controller,
+        max_steps=40,
+        throw=False,
+    )
+    return sol.ys, sol.stats["num_steps"], sol.result._value
+
+
+expected_ys, expected_steps, expected_result = eqx.filter_jit(jax.vmap(lanes_reference))(
+    keys, rates
+)
+out = dl.solve_ensemble(
+    stiff_terms,
+    diffrax.Heun(),
+    0.0,
+    T1,
+    DT,
+    y0,
+    rates,
+    keys=keys,
+    batch_args=True,
+    lanes=2,
+    stepsize_controller=controller,
+    max_steps=40,
+    throw=False,
+)
+np.testing.assert_array_equal(out.paths.stats["num_steps"], expected_steps)
+np.testing.assert_array_equal(out.paths.result._value, expected_result)
+assert_equal_to_rounding(out.paths.ys, expected_ys)
+ok = np.asarray(expected_result) == 0
+check(len(np.unique(expected_steps)) > 5 and 0 < ok.sum() < 13, expected_steps)
+check(int(out.num_failed) == (~ok).sum(), out.num_failed)
+np.testing.assert_allclose(out.mean, np.asarray(expected_ys)[ok].mean(0), rtol=1e-5, atol=1e-6)
+checks += 4
+stage("refilling lanes")
+
 print(f"ensemble-multidevice: {checks} checks passed on {jax.device_count()} devices")
 sys.exit(0)

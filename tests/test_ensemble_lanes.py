@@ -1,0 +1,248 @@
+"""`solve_ensemble(..., lanes=L)`: L lanes, each taking the next path as its own finishes,
+checked path for path against `diffrax.diffeqsolve` on the same Brownian path."""
+
+import diffrax
+import diffrax_linearize as dl
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import lineax as lx
+import numpy as np
+import pytest
+from helpers import assert_equal_to_rounding
+
+
+T1 = 1.0
+Y0 = jnp.array([0.8, -0.3])
+# Stiffness rates spanning well over an order of magnitude: adaptive paths of very
+# different step counts (checked below), so that lanes finish at different times and are
+# refilled.
+RATES = jnp.array([0.5, 40.0, 1.0, 200.0, 3.0, 0.7, 90.0])
+SDE_RATES = jnp.array([0.5, 8.0, 1.0, 20.0, 3.0, 0.7, 12.0])
+
+
+def _sde_terms(key):
+    bm = diffrax.VirtualBrownianTree(0.0, T1, 1e-3, (2,), key)
+    drift = diffrax.ODETerm(lambda t, y, args: -args * (y - 0.5 * y**3))
+    diffusion = diffrax.ControlTerm(lambda t, y, args: lx.DiagonalLinearOperator(0.3 * y + 0.2), bm)
+    return diffrax.MultiTerm(drift, diffusion)
+
+
+def _dense_sde_terms(key):
+    # As `_sde_terms`, with the diffusion as a dense matrix (for Diffrax's solvers).
+    bm = diffrax.VirtualBrownianTree(0.0, T1, 1e-3, (2,), key)
+    drift = diffrax.ODETerm(lambda t, y, args: -args * (y - 0.5 * y**3))
+    diffusion = diffrax.ControlTerm(lambda t, y, args: jnp.diag(0.3 * y + 0.2), bm)
+    return diffrax.MultiTerm(drift, diffusion)
+
+
+def _ode_terms(key):
+    # The key is unused: every path differs by its rate only.
+    del key
+    return diffrax.ODETerm(lambda t, y, args: -args * jnp.stack([y[0] - y[1] ** 2, y[1]]))
+
+
+CONTROLLER = diffrax.PIDController(rtol=1e-4, atol=1e-6)
+SDE_CONTROLLER = diffrax.PIDController(rtol=1e-3, atol=1e-4)
+
+CASES = {
+    "ItoMilstein, PID": (
+        _sde_terms,
+        dl.ItoMilstein(),
+        SDE_CONTROLLER,
+        0.05,
+        diffrax.SaveAt(t1=True),
+        SDE_RATES,
+    ),
+    "Heun, PI": (
+        _dense_sde_terms,
+        diffrax.Heun(),
+        diffrax.PIDController(rtol=1e-3, atol=1e-4, pcoeff=0.1, icoeff=0.3),
+        0.05,
+        diffrax.SaveAt(t0=True, t1=True),
+        SDE_RATES,
+    ),
+    # FSAL solver state, and the initial step chosen by the controller (`dt0=None`).
+    "Tsit5 ODE, dt0=None": (
+        _ode_terms,
+        diffrax.Tsit5(),
+        CONTROLLER,
+        None,
+        diffrax.SaveAt(t1=True),
+        RATES,
+    ),
+    "Dopri5 ODE, saveat fn": (
+        _ode_terms,
+        diffrax.Dopri5(),
+        CONTROLLER,
+        0.05,
+        diffrax.SaveAt(t0=True, t1=True, fn=lambda t, y, args: jnp.sum(y**2)),
+        RATES,
+    ),
+}
+
+
+def _reference(terms, solver, controller, dt0, saveat, keys, rates, t0=0.0, t1=T1, **kwargs):
+    def solve(key, rate):
+        sol = diffrax.diffeqsolve(
+            terms(key),
+            solver,
+            t0,
+            t1,
+            dt0,
+            Y0,
+            rate,
+            saveat=saveat,
+            stepsize_controller=controller,
+            throw=False,
+            **kwargs,
+        )
+        return sol.ts, sol.ys, sol.stats, sol.result._value
+
+    return eqx.filter_jit(jax.vmap(solve))(keys, rates)
+
+
+def _check_paths(out, ref):
+    ts, ys, stats, result = ref
+    paths = out.paths
+    for name in ("num_steps", "num_accepted_steps", "num_rejected_steps"):
+        np.testing.assert_array_equal(paths.stats[name], stats[name], err_msg=name)
+    np.testing.assert_array_equal(paths.result._value, result)
+    np.testing.assert_array_equal(paths.ts, ts)
+    assert_equal_to_rounding(paths.ys, ys)
+
+
+# 3 lanes for 7 paths (not a divisor), and as many lanes as paths (no refill) once.
+@pytest.mark.parametrize(
+    "case, lanes", [(case, 3) for case in CASES] + [("ItoMilstein, PID", len(SDE_RATES))]
+)
+def test_lanes_equal_diffeqsolve_per_path(case, lanes):
+    terms, solver, controller, dt0, saveat, rates = CASES[case]
+    keys = jr.split(jr.key(0), len(rates))  # 7 paths: 3 lanes do not divide them
+    out = dl.solve_ensemble(
+        terms,
+        solver,
+        0.0,
+        T1,
+        dt0,
+        Y0,
+        rates,
+        keys=keys,
+        batch_args=True,
+        saveat=saveat,
+        lanes=lanes,
+        stepsize_controller=controller,
+    )
+    ref = _reference(terms, solver, controller, dt0, saveat, keys, rates)
+    steps = np.asarray(ref[2]["num_steps"])
+    # Paths of very different lengths, or the refilling would not be exercised.
+    assert steps.max() >= 4 * steps.min(), steps
+    _check_paths(out, ref)
+    ys = np.asarray(ref[1])
+    np.testing.assert_allclose(out.mean, ys.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(out.var, ys.var(0), rtol=1e-10, atol=1e-14)
+
+
+def test_lanes_reverse_time():
+    # `t0 > t1`: time runs backwards, as in `diffeqsolve`.
+    keys = jr.split(jr.key(1), 5)
+    rates, saveat = -RATES[:5], diffrax.SaveAt(t0=True, t1=True)
+    out = dl.solve_ensemble(
+        _ode_terms,
+        diffrax.Tsit5(),
+        T1,
+        0.0,
+        -0.05,
+        Y0,
+        rates,
+        keys=keys,
+        batch_args=True,
+        saveat=saveat,
+        lanes=2,
+        stepsize_controller=CONTROLLER,
+    )
+    ref = _reference(_ode_terms, diffrax.Tsit5(), CONTROLLER, -0.05, saveat, keys, rates, T1, 0.0)
+    _check_paths(out, ref)
+
+
+def test_lanes_max_steps_and_reductions():
+    # Paths with high rates run out of steps; the others do not. Their saved value is the
+    # last state reached, as `diffeqsolve` saves it, and they are left out of the reductions.
+    keys = jr.split(jr.key(2), len(SDE_RATES))
+    saveat = diffrax.SaveAt(t1=True)
+    solver = dl.ItoMilstein()
+    qs = (0.0, 0.5, 1.0)
+    out = dl.solve_ensemble(
+        _sde_terms,
+        solver,
+        0.0,
+        T1,
+        0.05,
+        Y0,
+        SDE_RATES,
+        keys=keys,
+        batch_args=True,
+        lanes=2,
+        quantiles=qs,
+        stepsize_controller=SDE_CONTROLLER,
+        max_steps=120,
+        throw=False,
+    )
+    ref = _reference(
+        _sde_terms, solver, SDE_CONTROLLER, 0.05, saveat, keys, SDE_RATES, max_steps=120
+    )
+    _check_paths(out, ref)
+    ok = np.asarray(ref[3]) == 0
+    assert 0 < ok.sum() < len(ok) and int(out.num_failed) == (~ok).sum()
+    ys = np.asarray(ref[1])[ok]
+    np.testing.assert_allclose(out.mean, ys.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(out.quantiles, np.quantile(ys, qs, axis=0), rtol=1e-12)
+
+
+def test_lanes_batched_y0_and_t0_equal_t1():
+    keys = jr.split(jr.key(3), 4)
+    y0s = jnp.arange(8.0).reshape(4, 2)
+    out = dl.solve_ensemble(
+        _ode_terms,
+        diffrax.Tsit5(),
+        0.5,
+        0.5,
+        0.1,
+        y0s,
+        1.0,
+        keys=keys,
+        batch_y0=True,
+        lanes=3,
+        stepsize_controller=CONTROLLER,
+    )
+    np.testing.assert_array_equal(out.paths.ys[:, 0], y0s)
+    np.testing.assert_array_equal(out.paths.stats["num_steps"], 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(saveat=diffrax.SaveAt(ts=jnp.linspace(0, 1, 3))), "ts="),
+        (dict(saveat=diffrax.SaveAt(steps=True), reductions=()), "steps=True"),
+        (dict(saveat=diffrax.SaveAt(t1=True, dense=True)), "dense=True"),
+        (dict(adjoint=diffrax.RecursiveCheckpointAdjoint()), "adjoint"),
+        (dict(chunk_size=2), "not both"),
+        (dict(lanes=0), "positive integer"),
+    ],
+)
+def test_lanes_errors(kwargs, match):
+    kwargs = dict(lanes=2) | kwargs
+    with pytest.raises(ValueError, match=match):
+        dl.solve_ensemble(
+            _ode_terms,
+            diffrax.Tsit5(),
+            0.0,
+            T1,
+            0.1,
+            Y0,
+            1.0,
+            keys=jr.split(jr.key(0), 3),
+            stepsize_controller=CONTROLLER,
+            **kwargs,
+        )
