@@ -424,9 +424,9 @@ def controller_for(solver, rtol, atol):
         if isinstance(solver, (dl.Rodas5P, dl.Rodas4P)):
             return dl.PredictiveController(rtol=rtol, atol=atol)
     if getattr(solver, "variable_order", False):
-        # The variable-order BDF proposes its step through its error; the PI controller keeps
-        # the step from growing tenfold after one step (scipy and CVODE hold it for q + 1
-        # steps), which orders 4 and 5 do not survive on Robertson at loose tolerances.
+        # The variable-order BDF proposes its step through its error (and holds it for
+        # q + 1 steps, as scipy and CVODE); Diffrax's PI coefficients for stiff problems
+        # damp its proposals further.
         return diffrax.PIDController(rtol=rtol, atol=atol, pcoeff=0.3, icoeff=0.4)
     return diffrax.PIDController(rtol=rtol, atol=atol)
 

@@ -37,6 +37,15 @@ from .rosenbrock import _affine, _check_ode, _flat_increment
 
 
 _MAX_ORDER = 5
+# The scaled error that the variable order returns to hold the step size: the default
+# `safety` of `diffrax.PIDController` and `PredictiveController`, whose factor
+# `safety / error` is then 1. Diffrax's PI factor `safety / error**(i + p) * prev**p`
+# (`prev` < 1, an accepted error) is then at most 1 for `i + p <= 1`, and Diffrax clips it
+# to 1 after an accepted step.
+_HOLD = 0.9
+# A relative change of the step size below which the variable order counts the step as
+# one of equal size (for its q + 1 steps between choices).
+_SAME_H = 1e-2
 # The NDF coefficients of Shampine & Reichelt (kappa = 0 is the BDF), as scipy's.
 _KAPPA = np.array([0.0, -0.1850, -1 / 9, -0.0823, -0.0415, 0.0])
 
@@ -108,8 +117,8 @@ class BDFState(eqx.Module):
     - `order`: the order of the next step. It starts at 1; with `variable_order=False`
         it rises to `max_order` while the history fills, with `variable_order=True` the
         solver chooses it (1 to `max_order`).
-    - `steps_at_order`: the accepted steps made at `order` (since the order was last
-        considered, with `variable_order=True`).
+    - `steps_at_order`: the accepted steps made at `order` (with `variable_order=True`,
+        at `order` and the step size `h`, since the order was last considered).
     - `M_J`, `dM`: $M = I - c_J J$ and $-h_J J$ at the Jacobian's step, the structured
         operators of [`diffrax_linearize.materialise_operator`][], so that
         $I - c J = M_J + ((c - c_J)/h_J)\, dM$.
@@ -206,16 +215,17 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
       error, rescaled so that its scaled norm is the inverse of the proposed factor
       (`error_order` is then 1). Any Diffrax adaptive controller follows it:
       `diffrax.PIDController` with its default coefficients takes scipy's step size
-      ($0.9$ times the factor, clipped to $[0.2, 10]$), and accepts a step exactly when
-      $E_q < 1$; [`diffrax_linearize.PredictiveController`][] adds its prediction and
-      `steady` band. The scaling uses the tolerances and norm of `root_finder`, which
-      `diffrax.diffeqsolve` takes from the controller: leave them unset (the default).
-      Pass `diffrax.PIDController(rtol=..., atol=..., pcoeff=0.3, icoeff=0.4)`, Diffrax's
-      PI coefficients for stiff problems: they smooth the changes of $h$, which scipy
-      and CVODE smooth by holding $h$ for $q + 1$ steps. With the integral-only default,
-      orders 4 and 5 grow $h$ by up to 10 times at a step, and on Robertson's problem to
-      $t = 10^{10}$ at `rtol=1e-4, atol=1e-6` let the small concentrations drift below
-      zero, where the equations blow up (checked by the test suite).
+      ($0.9$ times the factor, clipped to $[1, 10]$ after an accepted step), and accepts
+      a step exactly when $E_q < 1$. Between two choices an accepted step returns an
+      error of norm $0.9$, the default `safety` of `diffrax.PIDController`, which then
+      keeps the step size (with PI coefficients too, when `pcoeff + icoeff <= 1`): as
+      scipy and CVODE, the solver changes its step size and its order only after $q + 1$
+      steps of one size (counted again after a rejection, or a step cut short by `t1`).
+      Without that rest, with the step size changing at every step, orders 4 and 5 on
+      Robertson's problem to $t = 10^{10}$ at `rtol=1e-4, atol=1e-6` let the small
+      concentrations drift below zero, where the equations blow up. The scaling uses
+      the tolerances and norm of `root_finder`, which `diffrax.diffeqsolve` takes from
+      the controller: leave them unset (the default).
     - **Fixed order** (`variable_order=False`): order `max_order` once the history has
       filled, so that Diffrax's step-size controller, which takes one static order, sees
       the order of the error estimate it controls. The first steps ramp up from order
@@ -237,16 +247,18 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
       the `cond`s become `select`s that run both branches: every step then pays for a
       Jacobian and a factorisation.
     - **Chord iteration:** at most `root_find_max_steps` iterations (4, scipy's); it
-      stops, as scipy's, when the estimated distance to the solution is below
-      $\max(10 \epsilon / \mathrm{rtol}, \min(\kappa, \sqrt{\mathrm{rtol}}))$ in the
-      `norm` of the scaled error, or fails when it diverges or will not converge in
-      time; the first iteration may stop alone with the previous step's rate (CVODE's
-      test). `rtol`, `atol`, `norm` and `kappa` are those of `root_finder`, whose
-      tolerances `diffrax.diffeqsolve` takes from the step-size controller, as for
-      Diffrax's implicit solvers; the iteration itself is this solver's, with its own
-      factorisation. When it fails the step returns an infinite error estimate: an
-      adaptive controller rejects the step; with a constant step size the solve stops
-      with `diffrax.RESULTS.nonlinear_divergence`.
+      stops when the estimated distance to the solution is below
+      $\max(10 \epsilon / \mathrm{rtol}, \kappa)$ in the `norm` of the scaled error (a
+      fixed fraction of the tolerance, as CVODE's test; scipy's iterates further at
+      tight tolerances, to $\min(\kappa, \sqrt{\mathrm{rtol}})$), or fails when it
+      diverges or will not converge in time (scipy's tests); the first iteration may
+      stop alone with the previous step's rate (CVODE's test). `rtol`, `atol`, `norm`
+      and `kappa` are those of `root_finder`, whose tolerances `diffrax.diffeqsolve`
+      takes from the step-size controller, as for Diffrax's implicit solvers; the
+      iteration itself is this solver's, with its own factorisation. When it fails the
+      step returns an infinite error estimate: an adaptive controller rejects the step;
+      with a constant step size the solve stops with
+      `diffrax.RESULTS.nonlinear_divergence`.
     - **Interpolation:** the step's interpolating polynomial (scipy's `BdfDenseOutput`),
       of degree $q$.
 
@@ -265,10 +277,9 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         and CVODE change $h$ only after $q + 1$ steps of one size, where Diffrax's
         controllers change it at every step. Orders 4 and 5 take fewer steps at tight
         tolerances on smooth problems, but on Robertson's problem to $t = 10^{10}$ with
-        `rtol=1e-4` order 5 lets the small components drift below zero, within `atol`,
-        where the equations themselves blow up: use them with tight tolerances (a
-        variable order up to 4 or 5 drifts there too, unless its controller is the PI
-        one above). A
+        `rtol=1e-4` a fixed order 5 lets the small components drift below zero, within
+        `atol`, where the equations themselves blow up: use them with tight tolerances,
+        or with `variable_order=True`, which rests between changes of step size. A
         [`diffrax_linearize.PredictiveController`][] with `steady=(0.9, 1.5)`, which
         keeps $h$ through moderate changes, helps the fixed order.
     - `variable_order`: `False` (the default) for a fixed order, `True` to choose the
@@ -408,12 +419,17 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         )
 
     def _chord_tolerance(self, dtype):
-        # scipy's: the distance to the solution the chord iteration stops at, in `norm` of
-        # the scaled error.
+        # The distance to the solution the chord iteration stops at, in `norm` of the
+        # scaled error: `kappa` of the tolerance, as CVODE's test is a fixed fraction of
+        # its error test's tolerance at any rtol. scipy's `min(kappa, sqrt(rtol))` iterates
+        # further at tight tolerances, for no digit the error test keeps; CVODE's own
+        # fraction (0.1 of the tolerance of the error estimate, 0.3 to 1 here after its
+        # error constant) saved a fifth of the iterations on the Brusselator at rtol 1e-4,
+        # but left Robertson's small concentrations free to drift below zero there.
         rtol = self.root_finder.rtol
         eps = float(jnp.finfo(dtype).eps)
         with jax.numpy_dtype_promotion("standard"):
-            tol = jnp.maximum(10 * eps / rtol, jnp.minimum(self.root_finder.kappa, rtol**0.5))
+            tol = jnp.maximum(10 * eps / rtol, self.root_finder.kappa)
             return jnp.asarray(tol).astype(dtype)
 
     def _chord(self, g, t1, y_predict, psi, alpha_q, solve, c, c_W, rate0, scale):
@@ -505,10 +521,16 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         orders = (q + jnp.arange(-1, 2)).astype(dtype)
         with jax.numpy_dtype_promotion("standard"):
             factors = jnp.stack([e_m, e_q, e_p]) ** (-1 / (orders + 1))
-        consider = (steps_at_order >= q + 1) & (e_q < 1)
+        accepted = e_q < 1
+        consider = (steps_at_order >= q + 1) & accepted
         best = jnp.argmax(factors)  # the lowest order of equal factors, as scipy's
         q_next = jnp.where(consider, q + best - 1, q)
-        normalised = 1 / jnp.where(consider, factors[best], factors[1])
+        # Between choices an accepted step asks for the same step size again (`_HOLD`); a
+        # rejected one for scipy's smaller step.
+        hold = jnp.asarray(_HOLD, dtype)
+        normalised = jnp.where(
+            consider, 1 / factors[best], jnp.where(accepted, hold, 1 / factors[1])
+        )
         # A zero error stays zero; an infinite one (a failed step) infinite.
         ratio = jnp.where((e_q > 0) & jnp.isfinite(e_q), normalised / e_q, 1)
         steps_at_order = jnp.where(consider, 0, steps_at_order)
@@ -543,7 +565,13 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         rescale = jnp.where(diag_next, factor ** (st.order + 1).astype(dtype), rescale)
         rescale = jnp.where(made_jump, jnp.diag((rows <= 1).astype(dtype)), rescale)
         q = jnp.where(made_jump, 1, st.order).astype(jnp.int32)
-        steps_at_order = jnp.where(made_jump, 0, st.steps_at_order).astype(jnp.int32)
+        restart = made_jump
+        if self.variable_order:
+            # scipy's `n_equal_steps`: the count restarts when h changes (after a choice,
+            # a rejection, or a step cut short by `t1` or a jump time). Below `_SAME_H` the
+            # change is the rounding of t0 + h, not the controller's.
+            restart = restart | (jnp.abs(factor - 1) > _SAME_H)
+        steps_at_order = jnp.where(restart, 0, st.steps_at_order).astype(jnp.int32)
         alpha_q = alpha[q]
         gamma_rows = jnp.where((rows >= 1) & (rows <= q), gamma[jnp.minimum(rows, K)], 0)
         predict = jnp.stack([(rows <= q).astype(dtype), gamma_rows / alpha_q])
