@@ -24,6 +24,7 @@ BENCHMARKS = {
     "stiff-peers": "benchmarks.stiff_peers",
     "adaptive-sde": "benchmarks.adaptive_sde",
     "linear-crossover": "benchmarks.linear_crossover",
+    "ensemble-lanes": "benchmarks.ensemble_lanes",
 }
 
 

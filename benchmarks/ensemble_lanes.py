@@ -32,7 +32,13 @@ jax.config.update("jax_enable_x64", True)
 
 import diffrax_linearize as dl  # noqa: E402
 
-from benchmarks._common import markdown_table, time_contenders_output, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    fmt_ratio,
+    markdown_table,
+    plot_path,
+    time_contenders_output,
+    write_results,
+)
 from benchmarks.adaptive_sde import CONTROLLER, M, PROBLEMS, T1  # noqa: E402
 
 
@@ -111,24 +117,10 @@ def run(quick: bool = False) -> list[dict]:
             for width in widths:
                 rows.append(_compare(variant, keys, rates_, rtol, width))
                 print(rows[-1], flush=True)
-    write_results("ensemble_lanes_quick" if quick else "ensemble_lanes", rows, quick=quick)
-    print(
-        markdown_table(
-            rows,
-            [
-                ("problem", "SDE"),
-                ("rtol", "rtol"),
-                ("width", "lanes = batch"),
-                ("mean_steps", "steps / path"),
-                ("max_over_mean_steps", "max / mean steps"),
-                ("iterations_batches", "iterations, batches"),
-                ("iterations_lanes", "iterations, lanes"),
-                ("ratio_lanes_over_batches", "time lanes / batches"),
-                ("cpu_ratio_lanes_over_batches", "CPU time lanes / batches"),
-                ("iteration_cost_lanes_over_batches", "time per iteration lanes / batches"),
-            ],
-        )
-    )
+    name = "ensemble_lanes_quick" if quick else "ensemble_lanes"
+    write_results(name, rows, quick=quick)
+    plot(rows, out=plot_path(name))
+    print(table(rows))
     return rows
 
 
@@ -166,6 +158,61 @@ def _compare(variant, keys, rates, rtol, width) -> dict:
         compile_batches_s=timings["vmap batches"]["compile_s"],
         compile_lanes_s=timings["lanes"]["compile_s"],
     )
+
+
+def table(rows: list[dict]) -> str:
+    """The recorded rows as the benchmarks page shows them."""
+    shown = [
+        dict(
+            problem=r["problem"],
+            rtol=f"{r['rtol']:g}",
+            width=r["width"],
+            spread=f"{r['max_over_mean_steps']:.2f}",
+            iterations=f"{r['iterations_batches']} / {r['iterations_lanes']}",
+            time=fmt_ratio(r["ratio_lanes_over_batches"]),
+            per_iteration=fmt_ratio(r["iteration_cost_lanes_over_batches"]),
+        )
+        for r in rows
+    ]
+    return markdown_table(
+        shown,
+        [
+            ("problem", "SDE"),
+            ("rtol", "rtol"),
+            ("width", "lanes = batch"),
+            ("spread", "max / mean steps"),
+            ("iterations", "loop iterations, batches / lanes"),
+            ("time", "time lanes / batches"),
+            ("per_iteration", "per iteration lanes / batches"),
+        ],
+    )
+
+
+def plot(rows: list[dict], out=None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['problem']}\nrtol {r['rtol']:g}, L = {r['width']}" for r in rows]
+    xs = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar(xs - 0.2, [r["ratio_lanes_over_batches"] for r in rows], 0.4, label="time")
+    ax.bar(
+        xs + 0.2,
+        [r["iterations_lanes"] / r["iterations_batches"] for r in rows],
+        0.4,
+        label="loop iterations",
+    )
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(xs, labels, fontsize=7)
+    ax.set_ylabel("lanes / vmapped batches (below 1: lanes cheaper)")
+    ax.set_title(f"solve_ensemble(lanes=L) against batches of L paths, {rows[0]['paths']} paths")
+    ax.legend()
+    fig.tight_layout()
+    if out is not None:
+        fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None):

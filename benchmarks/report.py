@@ -48,6 +48,7 @@ TITLES = {
     "adaptive_sde_quick": "Adaptive steps on SDEs whose difficulty varies along the path "
     "(quick mode)",
     "linear_crossover": "Linear solvers: where dense LU overtakes the structured ones",
+    "ensemble_lanes": "Ensembles of adaptive solves: refilling lanes against vmapped batches",
 }
 
 
@@ -66,6 +67,7 @@ CASE_KEYS = {
     "adaptive_sde": ("problem", "method", "param"),
     "adaptive_sde_quick": ("problem", "method", "param"),
     "linear_crossover": ("kind", "n"),
+    "ensemble_lanes": ("problem", "rtol", "width"),
 }
 
 
@@ -117,6 +119,10 @@ WHAT = {
     "table shows rtol 1e-6, the JSON every tolerance.",
     "adaptive_sde": _ADAPTIVE_SDE,
     "adaptive_sde_quick": _ADAPTIVE_SDE,
+    "ensemble_lanes": "`solve_ensemble(lanes=L)` against `solve_ensemble(chunk_size=L)` (vmapped "
+    "batches of L paths) on 256 paths of the adaptive double well, as it is and with a per-path "
+    "rate that spreads the step counts: time, loop iterations and the cost of one iteration, "
+    "lanes over batches (below 1: the lanes are cheaper).",
 }
 
 
@@ -672,8 +678,15 @@ def _adaptive_sde(data: dict) -> list[str]:
     return [table(data["acceptance"]), "", TABLE_NOTE, ""] + ([note, ""] if note else [])
 
 
+def _ensemble_lanes(data: dict) -> list[str]:
+    from benchmarks.ensemble_lanes import table
+
+    return [table(data["rows"]), ""]
+
+
 # Each benchmark's short table (at most eight columns), from one result file.
 SHORT = {
+    "ensemble_lanes": _ensemble_lanes,
     "adaptive_sde": _adaptive_sde,
     "adaptive_sde_quick": _adaptive_sde,
     "linear_crossover": _linear_crossover,
@@ -1098,6 +1111,7 @@ PLOTTERS = {
     "adaptive_sde": "benchmarks.adaptive_sde",
     "adaptive_sde_quick": "benchmarks.adaptive_sde",
     "linear_crossover": "benchmarks.linear_crossover",
+    "ensemble_lanes": "benchmarks.ensemble_lanes",
 }
 
 
