@@ -72,15 +72,34 @@ CASES = {
         diffrax.SaveAt(t1=True),
         RATES,
     ),
-    "Dopri5 ODE, saveat fn": (
+    # Implicit solvers, whose `lineax.linear_solve`s once failed inside the ensemble
+    # (lineax issue #185, under `jax.shard_map`).
+    "Kvaerno3 ODE, saveat fn": (
         _ode_terms,
-        diffrax.Dopri5(),
+        diffrax.Kvaerno3(),
         CONTROLLER,
         0.05,
         diffrax.SaveAt(t0=True, t1=True, fn=lambda t, y, args: jnp.sum(y**2)),
         RATES,
     ),
+    "ImplicitItoMilstein, PID": (
+        _sde_terms,
+        dl.ImplicitItoMilstein(),
+        SDE_CONTROLLER,
+        0.05,
+        diffrax.SaveAt(t1=True),
+        SDE_RATES,
+    ),
+    "BDF ODE": (
+        _ode_terms,
+        dl.BDF(),
+        CONTROLLER,
+        0.05,
+        diffrax.SaveAt(t1=True),
+        RATES,
+    ),
 }
+_IMPLICIT = ("Kvaerno3 ODE, saveat fn", "ImplicitItoMilstein, PID", "BDF ODE")
 
 
 def _reference(terms, solver, controller, dt0, saveat, keys, rates, t0=0.0, t1=T1, **kwargs):
@@ -113,9 +132,25 @@ def _check_paths(out, ref):
     assert_equal_to_rounding(paths.ys, ys)
 
 
-# 3 lanes for 7 paths (not a divisor), and as many lanes as paths (no refill) once.
+# 3 lanes for 7 paths (not a divisor), and as many lanes as paths (no refill) once; the
+# implicit solvers also without lanes (one `jax.vmap` of `diffeqsolve` over the paths).
 @pytest.mark.parametrize(
-    "case, lanes", [(case, 3) for case in CASES] + [("ItoMilstein, PID", len(SDE_RATES))]
+    "case, lanes",
+    [(case, 3) for case in CASES if case != "ImplicitItoMilstein, PID"]
+    + [
+        pytest.param(
+            "ImplicitItoMilstein, PID",
+            3,
+            # Found once the ensemble could run implicit solvers: without lanes every
+            # path equals `diffeqsolve` bit for bit; with lanes (any number, refilled or
+            # not) some paths take a few more or fewer steps, the saved values agreeing
+            # only to the tolerance (explicit `ImplicitItoMilstein(theta=0)` matches
+            # exactly). Not yet explained.
+            marks=pytest.mark.xfail(strict=True, reason="lanes differ from diffeqsolve"),
+        ),
+        ("ItoMilstein, PID", len(SDE_RATES)),
+    ]
+    + [(case, None) for case in _IMPLICIT],
 )
 def test_lanes_equal_diffeqsolve_per_path(case, lanes):
     terms, solver, controller, dt0, saveat, rates = CASES[case]
