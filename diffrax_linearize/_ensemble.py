@@ -257,7 +257,9 @@ def solve_ensemble(
 
     Path $i$ is `diffrax.diffeqsolve(terms(keys[i]), solver, t0, t1, dt0, y0, args,
     saveat=saveat, ...)` (with `y0[i]`, `args[i]` if batched). The path axis is split
-    evenly over the devices of `mesh` with `jax.shard_map`; each device solves its
+    evenly over the devices of `mesh` (a `jax.vmap` over a device axis that XLA
+    partitions over the mesh, not a `jax.shard_map`, inside which every implicit solver's
+    `lineax.linear_solve` fails: lineax issue #185); each device solves its
     paths `chunk_size` at a time (a `jax.vmap` over a chunk inside a `jax.lax.map` over
     chunks), so memory per device is bounded by the chunk size (plus the saved values,
     if paths or quantiles are requested). A path count that does not divide evenly is
@@ -273,11 +275,13 @@ def solve_ensemble(
     bisection on the bit patterns of the values: $8 \\times$ `itemsize` `psum`s of
     integer counts the size of one path's saved values, per order statistic (two per
     quantile); the values themselves stay on their devices. The per-path solutions,
-    if returned, stay sharded.
+    if returned, stay sharded. On several devices, each iteration of a `while` loop (a
+    step; an implicit solver's root-finder iteration) also takes a scalar all-reduce
+    to agree on whether any device still has work.
 
-    Works with every solver, diffrax's or this package's, since each path is an
-    ordinary `diffrax.diffeqsolve`; with an adaptive step-size controller (for example
-    `stepsize_controller=diffrax.PIDController(rtol, atol)` with
+    Works with every solver, diffrax's or this package's, explicit or implicit, since
+    each path is an ordinary `diffrax.diffeqsolve`; with an adaptive step-size
+    controller (for example `stepsize_controller=diffrax.PIDController(rtol, atol)` with
     [`diffrax_linearize.ItoMilstein`][]) each path adapts its own steps. Results
     equal `jax.vmap` of `diffeqsolve` over the same keys, path for path, up to
     rounding (XLA may compile one device's batch size differently from the whole batch's).
