@@ -11,13 +11,15 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from ._refill import check_lanes_options, solve_lanes, start_path
 
 
 _REDUCTIONS = ("mean", "var")
+# The name of the device axis of the `jax.vmap` that runs one device's paths.
+_DEVICES = "devices"
 _FAILED_MSG = (
     "`solve_ensemble`: some paths failed to solve (for example by running out of "
     "`max_steps`). Pass `throw=False` and inspect `EnsembleSolution.num_failed` and "
@@ -115,6 +117,11 @@ def _pad(tree: PyTree, pad: int) -> PyTree:
     return jtu.tree_map(pad_leaf, tree)
 
 
+def _psum(x, axis_name):
+    # Sums over the devices, if there are several (see `_solve_ensemble`).
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
 def _chunk_stats(ys, mask):
     """Per-chunk count, means and sums of squared deviations (the statistics that Chan
     et al.'s parallel variance algorithm combines), for every leaf of `ys`."""
@@ -132,18 +139,18 @@ def _chunk_stats(ys, mask):
     return count, means, m2s
 
 
-def _combine_stats(counts, means, m2s, axis_names, total):
+def _combine_stats(counts, means, m2s, axis_name, total):
     """Combines per-chunk statistics across chunks (axis 0) and devices (`psum`). Only
     arrays of the size of one saved value cross devices. `total` is the number of paths
     counted, over all devices: with none, the mean and variance are NaN."""
     weights = lambda x: counts.reshape(counts.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
 
     def mean(means):
-        return jax.lax.psum(jnp.sum(weights(means) * means, axis=0), axis_names) / total
+        return _psum(jnp.sum(weights(means) * means, axis=0), axis_name) / total
 
     def var(means, m2s, mean):
         m2 = jnp.sum(m2s + weights(means) * (means - mean) ** 2, axis=0)
-        return jax.lax.psum(m2, axis_names) / total
+        return _psum(m2, axis_name) / total
 
     mean_ = jtu.tree_map(mean, means)
     return mean_, jtu.tree_map(var, means, m2s, mean_)
@@ -166,7 +173,7 @@ def _from_ordered_int(i, dtype):
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _order_statistic(keys, mask, k, axis_names):
+def _order_statistic(keys, mask, k, axis_name):
     """The `k`-th smallest (0-based) of the masked `keys` over axis 0 and all devices,
     elementwise over the remaining axes."""
     itype = keys.dtype
@@ -180,7 +187,7 @@ def _order_statistic(keys, mask, k, axis_names):
         # Floor of (lo + hi) / 2 without overflow.
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
         count = jnp.sum(m & (keys <= mid), axis=0, dtype=jnp.int32)
-        count = jax.lax.psum(count, axis_names)
+        count = _psum(count, axis_name)
         enough = count >= k + 1
         return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
 
@@ -188,7 +195,7 @@ def _order_statistic(keys, mask, k, axis_names):
     return lo
 
 
-def _quantiles(ys, mask, q, count, axis_names):
+def _quantiles(ys, mask, q, count, axis_name):
     # As `numpy.quantile(..., method="linear")` over the `count` paths of `mask`:
     # interpolate between the order statistics at floor((n - 1) q) and ceil((n - 1) q).
     # `count` is only known on device (failed paths are left out), so this is traced.
@@ -200,7 +207,7 @@ def _quantiles(ys, mask, q, count, axis_names):
 
     def leaf(y):
         keys = _to_ordered_int(y)
-        stats = jax.lax.map(lambda k: _order_statistic(keys, mask, k, axis_names), ks.ravel())
+        stats = jax.lax.map(lambda k: _order_statistic(keys, mask, k, axis_name), ks.ravel())
         stats = _from_ordered_int(stats, y.dtype).reshape((len(q), 2) + y.shape[1:])
         a, b = stats[:, 0], stats[:, 1]
         t = frac.astype(y.dtype).reshape((len(q),) + (1,) * (y.ndim - 1))
@@ -250,7 +257,9 @@ def solve_ensemble(
 
     Path $i$ is `diffrax.diffeqsolve(terms(keys[i]), solver, t0, t1, dt0, y0, args,
     saveat=saveat, ...)` (with `y0[i]`, `args[i]` if batched). The path axis is split
-    evenly over the devices of `mesh` with `jax.shard_map`; each device solves its
+    evenly over the devices of `mesh` (a `jax.vmap` over a device axis that XLA
+    partitions over the mesh, not a `jax.shard_map`, inside which every implicit solver's
+    `lineax.linear_solve` fails: lineax issue #185); each device solves its
     paths `chunk_size` at a time (a `jax.vmap` over a chunk inside a `jax.lax.map` over
     chunks), so memory per device is bounded by the chunk size (plus the saved values,
     if paths or quantiles are requested). A path count that does not divide evenly is
@@ -266,11 +275,13 @@ def solve_ensemble(
     bisection on the bit patterns of the values: $8 \\times$ `itemsize` `psum`s of
     integer counts the size of one path's saved values, per order statistic (two per
     quantile); the values themselves stay on their devices. The per-path solutions,
-    if returned, stay sharded.
+    if returned, stay sharded. On several devices, each iteration of a `while` loop (a
+    step; an implicit solver's root-finder iteration) also takes a scalar all-reduce
+    to agree on whether any device still has work.
 
-    Works with every solver, diffrax's or this package's, since each path is an
-    ordinary `diffrax.diffeqsolve`; with an adaptive step-size controller (for example
-    `stepsize_controller=diffrax.PIDController(rtol, atol)` with
+    Works with every solver, diffrax's or this package's, explicit or implicit, since
+    each path is an ordinary `diffrax.diffeqsolve`; with an adaptive step-size
+    controller (for example `stepsize_controller=diffrax.PIDController(rtol, atol)` with
     [`diffrax_linearize.ItoMilstein`][]) each path adapts its own steps. Results
     equal `jax.vmap` of `diffeqsolve` over the same keys, path for path, up to
     rounding (XLA may compile one device's batch size differently from the whole batch's).
@@ -509,6 +520,9 @@ def _solve_ensemble(
     )
     keep_ys = return_paths or quantiles is not None
     spec = P(axis_names)
+    num_devices = padded // per_device
+    # The name of the device axis, or `None` on one device (no collectives).
+    axis = None if num_devices == 1 else _DEVICES
     static_out = []
 
     def solve_one(key, y0_i, args_i, shared_dyn):
@@ -552,25 +566,26 @@ def _solve_ensemble(
             chunk,
             diffeqsolve_kwargs.get("max_steps", 4096),
             saveat,
+            axis_name=axis,
         )
         sols, static = eqx.partition(sols, eqx.is_array)
         if not static_out:
             static_out.append(static)
         used = mask & (sols.result._value == 0)
-        failed = jax.lax.psum(jnp.sum(mask & ~used, dtype=jnp.int32), axis_names)
+        failed = _psum(jnp.sum(mask & ~used, dtype=jnp.int32), axis)
         num_used = num_paths - failed
         if reductions or quantiles is not None:
             _check_floating(sols.ys)
         if reductions:
             stats = jtu.tree_map(lambda x: x[None], _chunk_stats(sols.ys, used))
-            mean, var = _combine_stats(*stats, axis_names, num_used)
+            mean, var = _combine_stats(*stats, axis, num_used)
         else:
             mean = var = None
         ts = None if sols.ts is None else jtu.tree_map(lambda x: x[0], sols.ts)
         if quantiles is None:
             qs = None
         else:
-            qs = _quantiles(sols.ys, used, quantiles, num_used, axis_names)
+            qs = _quantiles(sols.ys, used, quantiles, num_used, axis)
         if not return_paths:
             sols = None
         return sols, failed, mean, var, qs, ts
@@ -602,31 +617,51 @@ def _solve_ensemble(
         ts = None if ts is None else ts[0]
         unchunk = lambda x: x.reshape((num_chunks * chunk,) + x.shape[2:])[:per_device]
         sols, used = jtu.tree_map(unchunk, (sols, used))
-        failed = jax.lax.psum(jnp.sum(failed), axis_names)
+        failed = _psum(jnp.sum(failed), axis)
         num_used = num_paths - failed
         if reductions:
-            mean, var = _combine_stats(*stats, axis_names, num_used)
+            mean, var = _combine_stats(*stats, axis, num_used)
         else:
             mean = var = None
         if quantiles is None:
             qs = None
         else:
-            qs = _quantiles(sols.ys, used, quantiles, num_used, axis_names)
+            qs = _quantiles(sols.ys, used, quantiles, num_used, axis)
         if not return_paths:
             sols = None
         return sols, failed, mean, var, qs, ts
 
-    sols, failed, mean, var, qs, ts = jax.shard_map(
-        on_device_lanes if refill else on_device,
-        mesh=mesh,
-        in_specs=(spec, P()),
-        out_specs=(spec, P(), P(), P(), P(), P()),
-        # Each path's solve mixes replicated inputs (`y0`, the solver) with per-device
-        # ones (the keys) inside diffrax's loops; the outputs above are replicated by
-        # construction (`psum`; `ts` is the same on every device), so the
-        # varying-manual-axes check is not needed.
-        check_vma=False,
-    )(batched, shared_dyn)
+    # Not `jax.shard_map`: inside it every value's type carries the manual mesh, which
+    # `lineax.linear_solve` drops from the right-hand side but not from the operator's
+    # structure, so every implicit solver failed there ("pytree does not match
+    # out_structure", lineax issue #185). On one device the function above is simply
+    # called on all paths. On several, it is a `jax.vmap` over a leading device axis,
+    # sharded over the mesh axes by `spmd_axis_name` and the input sharding: XLA
+    # partitions it so that each device solves its own paths, and the `psum`s over the
+    # device axis become cross-device reductions. Either way the values inside are
+    # ordinary arrays, as in a plain `diffeqsolve`.
+    run = on_device_lanes if refill else on_device
+    sharded = NamedSharding(mesh, spec)
+    if axis is None:
+        sols, failed, mean, var, qs, ts = run(batched, shared_dyn)
+    else:
+        split = lambda x: x.reshape((num_devices, per_device) + x.shape[1:])
+        batched = jax.lax.with_sharding_constraint(jtu.tree_map(split, batched), sharded)
+        sols, failed, mean, var, qs, ts = jax.vmap(
+            run,
+            in_axes=(0, None),
+            # The reductions are `psum`s over the device axis, so not batched; `ts` is
+            # the same on every device (taken from the first).
+            out_axes=(0, None, None, None, None, 0),
+            axis_name=axis,
+            spmd_axis_name=axis_names,
+        )(batched, shared_dyn)
+        sols = jtu.tree_map(lambda x: x.reshape((padded,) + x.shape[2:]), sols)
+        ts = None if ts is None else ts[0]
+    sols = jax.lax.with_sharding_constraint(sols, sharded)
+    failed, mean, var, qs, ts = jax.lax.with_sharding_constraint(
+        (failed, mean, var, qs, ts), NamedSharding(mesh, P())
+    )
 
     if error_if_failed:
         failed = eqx.error_if(failed, failed > 0, _FAILED_MSG)

@@ -266,6 +266,7 @@ def solve_lanes(
     lanes: int,
     max_steps: int | None,
     saveat: diffrax.SaveAt,
+    axis_name: Any = None,
 ) -> diffrax.Solution:
     """Solves paths `0, ..., num - 1` of `keys` (and of `y0_b`, `args_b` where batched)
     on `lanes` lanes, refilling each lane from the queue of paths as its path finishes.
@@ -273,6 +274,12 @@ def solve_lanes(
     `start(key, y0_i, args_i)` returns the `_Lane` of one path at `t0`. Returns the
     per-path `diffrax.Solution` with a leading axis of `len(keys)`; entries `num` and
     beyond are not solved (their saved values are `inf`).
+
+    `axis_name`: when this runs under `jax.vmap(..., axis_name=axis_name)` (one queue
+    per device), the loop's two decisions are taken over that axis with a `psum`, so
+    that they stay unbatched: a batched `while_loop` predicate would make every
+    iteration select between the old and new carry (the whole output buffer), and a
+    batched `cond` would run the restart on every iteration.
     """
     size = keys.shape[0]
     take = lambda tree, idx: jtu.tree_map(lambda x: x[idx], tree)
@@ -318,9 +325,14 @@ def solve_lanes(
     active = paths < num
     done = eqx.filter_vmap(lambda lane: _done(lane, max_steps))
 
+    def any_(x):
+        if axis_name is None:
+            return jnp.any(x)
+        return jax.lax.psum(jnp.any(x).astype(jnp.int32), axis_name) > 0
+
     def cond_fun(carry):
         _, _, active, _, _ = carry
-        return jnp.any(active)
+        return any_(active)
 
     def retire_and_restart(retiring, carry):
         """Writes the saves, stats and result of the `retiring` lanes' paths at their
@@ -381,7 +393,7 @@ def solve_lanes(
         carry = dynamic, paths, active, next_path, outputs
         # Only on the iterations where some path has finished: on a CPU the writes and
         # the restart would otherwise dominate the cost of an iteration of a small SDE.
-        return jax.lax.cond(jnp.any(retiring), retire_and_restart, lambda _, c: c, retiring, carry)
+        return jax.lax.cond(any_(retiring), retire_and_restart, lambda _, c: c, retiring, carry)
 
     carry = (dynamic, paths, active, jnp.asarray(lanes), outputs)
     # Paths done before their first step (`t0 == t1`) are retired by the first iteration.

@@ -351,5 +351,106 @@ np.testing.assert_allclose(out.mean, np.asarray(expected_ys)[ok].mean(0), rtol=1
 checks += 4
 stage("refilling lanes")
 
+
+# 8. Implicit solvers, whose `lineax.linear_solve`s failed under `jax.shard_map` (lineax
+# issue #185): Kvaerno3 on a stiff ODE and the drift-implicit Milstein with an adaptive
+# controller, with and without lanes, path for path against `diffeqsolve` (13 paths:
+# uneven over 8 devices). (`ImplicitItoMilstein` with lanes is checked against itself on
+# one device: its lanes follow `diffeqsolve` only to the tolerance, as rounding changes
+# its root finder's iteration counts, see `test_ensemble_lanes.py`.)
+def stiff_ode_terms(key):
+    del key
+    return diffrax.ODETerm(lambda t, y, args: -args * jnp.stack([y[0] - y[1] ** 2, y[1], y[2]]))
+
+
+def implicit_reference(terms, solver, controller):
+    def solve(key, rate):
+        sol = diffrax.diffeqsolve(
+            terms(key),
+            solver,
+            0.0,
+            T1,
+            DT,
+            y0,
+            rate,
+            stepsize_controller=controller,
+            throw=False,
+        )
+        return sol.ys, sol.stats["num_steps"]
+
+    return eqx.filter_jit(jax.vmap(solve))(keys, rates)
+
+
+implicit_cases = [
+    (stiff_ode_terms, diffrax.Kvaerno3(), diffrax.PIDController(rtol=1e-4, atol=1e-6), True),
+    (stiff_terms, dl.ImplicitItoMilstein(), controller, False),
+]
+for terms, solver, implicit_controller, lanes_exact in implicit_cases:
+    expected_ys, expected_steps = implicit_reference(terms, solver, implicit_controller)
+    check(len(np.unique(expected_steps)) > 3, expected_steps)
+    for lanes in (None, 2):
+        out = dl.solve_ensemble(
+            terms,
+            solver,
+            0.0,
+            T1,
+            DT,
+            y0,
+            rates,
+            keys=keys,
+            batch_args=True,
+            lanes=lanes,
+            stepsize_controller=implicit_controller,
+            throw=False,
+        )
+        check(int(out.num_failed) == 0, out.num_failed)
+        if lanes is None or lanes_exact:
+            np.testing.assert_array_equal(out.paths.stats["num_steps"], expected_steps)
+            assert_equal_to_rounding(out.paths.ys, expected_ys)
+            np.testing.assert_allclose(
+                out.mean, np.asarray(expected_ys).mean(0), rtol=1e-5, atol=1e-6
+            )
+            checks += 3
+        else:
+            one = dl.solve_ensemble(
+                terms,
+                solver,
+                0.0,
+                T1,
+                DT,
+                y0,
+                rates,
+                keys=keys,
+                batch_args=True,
+                lanes=lanes,
+                stepsize_controller=implicit_controller,
+                throw=False,
+                mesh=Mesh(np.asarray(jax.devices()[:1]), ("paths",)),
+            )
+            np.testing.assert_array_equal(
+                out.paths.stats["num_steps"], one.paths.stats["num_steps"]
+            )
+            assert_equal_to_rounding(out.paths.ys, one.paths.ys)
+            checks += 2
+stage("implicit solvers")
+
+# 9. The paths are solved where they live: the compiled program holds each device's
+# block of paths (16 / 8 = 2; shape (1 device, 2 paths, 3)) and never the whole batch,
+# and gathers nothing.
+keys16 = jr.split(jr.key(7), 16)
+lowered = jax.jit(
+    lambda keys: (
+        dl.solve_ensemble(
+            elementwise_terms, diffrax.Heun(), 0.0, T1, DT, y0, 1.0, keys=keys, throw=False
+        ).mean
+    )
+).lower(keys16)
+hlo = lowered.compile().as_text()
+check("all-gather" not in hlo and "all-to-all" not in hlo, "gathers")
+check(
+    "f32[1,2,3]" in hlo and "f32[8,2,3]" not in hlo and "f32[16,3]" not in hlo,
+    "per-device blocks",
+)
+
 print(f"ensemble-multidevice: {checks} checks passed on {jax.device_count()} devices")
 sys.exit(0)
