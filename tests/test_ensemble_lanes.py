@@ -135,13 +135,20 @@ def _check_paths(out, ref):
 # 3 lanes for 7 paths (not a divisor), and as many lanes as paths (no refill) once; the
 # implicit solvers also without lanes (one `jax.vmap` of `diffeqsolve` over the paths).
 # `ImplicitItoMilstein` with lanes is checked to the tolerance only, below.
+# In the slow suite (the default one is near its 10-minute budget on 2 cores): Diffrax's
+# explicit SDE solver with lanes (ours covers the path), as many lanes as paths, and BDF
+# without lanes (Kvaerno3 and ImplicitItoMilstein cover the implicit solvers there).
+_SLOW = {("Heun, PI", 3), ("ItoMilstein, PID", len(SDE_RATES)), ("BDF ODE", None)}
+
+
 @pytest.mark.parametrize(
     "case, lanes",
-    [(case, 3) for case in CASES if case != "ImplicitItoMilstein, PID"]
-    + [
-        ("ItoMilstein, PID", len(SDE_RATES)),
-    ]
-    + [(case, None) for case in _IMPLICIT],
+    [
+        pytest.param(case, lanes, marks=[pytest.mark.slow] if (case, lanes) in _SLOW else [])
+        for case, lanes in [(case, 3) for case in CASES if case != "ImplicitItoMilstein, PID"]
+        + [("ItoMilstein, PID", len(SDE_RATES))]
+        + [(case, None) for case in _IMPLICIT]
+    ],
 )
 def test_lanes_equal_diffeqsolve_per_path(case, lanes):
     terms, solver, controller, dt0, saveat, rates = CASES[case]
@@ -170,6 +177,7 @@ def test_lanes_equal_diffeqsolve_per_path(case, lanes):
     np.testing.assert_allclose(out.var, ys.var(0), rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.slow
 def test_lanes_drift_implicit_milstein_to_tolerance():
     # With lanes, the drift-implicit Milstein's paths differ from `diffeqsolve`'s by
     # rounding after a few steps (the lane loop is another XLA program), as every
