@@ -554,6 +554,14 @@ def _solve_ensemble(
         args = eqx.combine(args_shared if args_i is None else args_i, args_static)
         return start_path(terms, solver, t0, t1, dt0, y0, args, key, saveat, kwargs)
 
+    def reduce(sols, used, failed, stats, ts):
+        # The reductions over this device's paths and all devices' (`failed` is already
+        # summed over the devices), from the per-chunk `stats`.
+        num_used = num_paths - failed
+        mean, var = _combine_stats(*stats, axis, num_used) if reductions else (None, None)
+        qs = None if quantiles is None else _quantiles(sols.ys, used, quantiles, num_used, axis)
+        return (sols if return_paths else None), failed, mean, var, qs, ts
+
     def on_device_lanes(batched, shared_dyn):
         keys, mask, y0_b, args_b = batched
         # Padding is never solved: the queue holds this device's `sum(mask)` paths.
@@ -573,22 +581,11 @@ def _solve_ensemble(
             static_out.append(static)
         used = mask & (sols.result._value == 0)
         failed = _psum(jnp.sum(mask & ~used, dtype=jnp.int32), axis)
-        num_used = num_paths - failed
         if reductions or quantiles is not None:
             _check_floating(sols.ys)
-        if reductions:
-            stats = jtu.tree_map(lambda x: x[None], _chunk_stats(sols.ys, used))
-            mean, var = _combine_stats(*stats, axis, num_used)
-        else:
-            mean = var = None
+        stats = jtu.tree_map(lambda x: x[None], _chunk_stats(sols.ys, used)) if reductions else None
         ts = None if sols.ts is None else jtu.tree_map(lambda x: x[0], sols.ts)
-        if quantiles is None:
-            qs = None
-        else:
-            qs = _quantiles(sols.ys, used, quantiles, num_used, axis)
-        if not return_paths:
-            sols = None
-        return sols, failed, mean, var, qs, ts
+        return reduce(sols, used, failed, stats, ts)
 
     def on_device(batched, shared_dyn):
         def per_chunk(batched_chunk):
@@ -617,19 +614,7 @@ def _solve_ensemble(
         ts = None if ts is None else ts[0]
         unchunk = lambda x: x.reshape((num_chunks * chunk,) + x.shape[2:])[:per_device]
         sols, used = jtu.tree_map(unchunk, (sols, used))
-        failed = _psum(jnp.sum(failed), axis)
-        num_used = num_paths - failed
-        if reductions:
-            mean, var = _combine_stats(*stats, axis, num_used)
-        else:
-            mean = var = None
-        if quantiles is None:
-            qs = None
-        else:
-            qs = _quantiles(sols.ys, used, quantiles, num_used, axis)
-        if not return_paths:
-            sols = None
-        return sols, failed, mean, var, qs, ts
+        return reduce(sols, used, _psum(jnp.sum(failed), axis), stats, ts)
 
     # Not `jax.shard_map`: inside it every value's type carries the manual mesh, which
     # `lineax.linear_solve` drops from the right-hand side but not from the operator's
