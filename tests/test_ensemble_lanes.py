@@ -132,6 +132,28 @@ def _check_paths(out, ref):
     assert_equal_to_rounding(paths.ys, ys)
 
 
+def _solve_case(case, lanes):
+    """`CASES[case]` on its 7 paths (3 lanes do not divide them) by `solve_ensemble`, and
+    the per-path `diffeqsolve` reference."""
+    terms, solver, controller, dt0, saveat, rates = CASES[case]
+    keys = jr.split(jr.key(0), len(rates))
+    out = dl.solve_ensemble(
+        terms,
+        solver,
+        0.0,
+        T1,
+        dt0,
+        Y0,
+        rates,
+        keys=keys,
+        batch_args=True,
+        saveat=saveat,
+        lanes=lanes,
+        stepsize_controller=controller,
+    )
+    return out, _reference(terms, solver, controller, dt0, saveat, keys, rates)
+
+
 # 3 lanes for 7 paths (not a divisor), and as many lanes as paths (no refill) once; the
 # implicit solvers also without lanes (one `jax.vmap` of `diffeqsolve` over the paths).
 # `ImplicitItoMilstein` with lanes is checked to the tolerance only, below.
@@ -151,23 +173,7 @@ _SLOW = {("Heun, PI", 3), ("ItoMilstein, PID", len(SDE_RATES)), ("BDF ODE", None
     ],
 )
 def test_lanes_equal_diffeqsolve_per_path(case, lanes):
-    terms, solver, controller, dt0, saveat, rates = CASES[case]
-    keys = jr.split(jr.key(0), len(rates))  # 7 paths: 3 lanes do not divide them
-    out = dl.solve_ensemble(
-        terms,
-        solver,
-        0.0,
-        T1,
-        dt0,
-        Y0,
-        rates,
-        keys=keys,
-        batch_args=True,
-        saveat=saveat,
-        lanes=lanes,
-        stepsize_controller=controller,
-    )
-    ref = _reference(terms, solver, controller, dt0, saveat, keys, rates)
+    out, ref = _solve_case(case, lanes)
     steps = np.asarray(ref[2]["num_steps"])
     # Paths of very different lengths, or the refilling would not be exercised.
     assert steps.max() >= 4 * steps.min(), steps
@@ -186,23 +192,7 @@ def test_lanes_drift_implicit_milstein_to_tolerance():
     # grows and eventually flips an accept/reject decision: some paths take a few steps
     # more or fewer. (Without lanes, above, it is exact; so are Kvaerno3 and BDF with
     # lanes on these paths.) So: every path solved, values and step counts close.
-    terms, solver, controller, dt0, saveat, rates = CASES["ImplicitItoMilstein, PID"]
-    keys = jr.split(jr.key(0), len(rates))
-    out = dl.solve_ensemble(
-        terms,
-        solver,
-        0.0,
-        T1,
-        dt0,
-        Y0,
-        rates,
-        keys=keys,
-        batch_args=True,
-        saveat=saveat,
-        lanes=3,
-        stepsize_controller=controller,
-    )
-    _, ys, stats, result = _reference(terms, solver, controller, dt0, saveat, keys, rates)
+    out, (_, ys, stats, result) = _solve_case("ImplicitItoMilstein, PID", 3)
     np.testing.assert_array_equal(out.paths.result._value, result)
     steps, expected_steps = out.paths.stats["num_steps"], np.asarray(stats["num_steps"])
     assert expected_steps.max() >= 4 * expected_steps.min(), expected_steps
