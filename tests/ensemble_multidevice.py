@@ -389,7 +389,7 @@ for terms, solver, implicit_controller, lanes_exact in implicit_cases:
     expected_ys, expected_steps = implicit_reference(terms, solver, implicit_controller)
     check(len(np.unique(expected_steps)) > 3, expected_steps)
     for lanes in (None, 2):
-        out = dl.solve_ensemble(
+        solve = lambda **mesh: dl.solve_ensemble(
             terms,
             solver,
             0.0,
@@ -402,7 +402,9 @@ for terms, solver, implicit_controller, lanes_exact in implicit_cases:
             lanes=lanes,
             stepsize_controller=implicit_controller,
             throw=False,
+            **mesh,
         )
+        out = solve()
         check(int(out.num_failed) == 0, out.num_failed)
         if lanes is None or lanes_exact:
             np.testing.assert_array_equal(out.paths.stats["num_steps"], expected_steps)
@@ -412,21 +414,7 @@ for terms, solver, implicit_controller, lanes_exact in implicit_cases:
             )
             checks += 3
         else:
-            one = dl.solve_ensemble(
-                terms,
-                solver,
-                0.0,
-                T1,
-                DT,
-                y0,
-                rates,
-                keys=keys,
-                batch_args=True,
-                lanes=lanes,
-                stepsize_controller=implicit_controller,
-                throw=False,
-                mesh=Mesh(np.asarray(jax.devices()[:1]), ("paths",)),
-            )
+            one = solve(mesh=Mesh(np.asarray(jax.devices()[:1]), ("paths",)))
             np.testing.assert_array_equal(
                 out.paths.stats["num_steps"], one.paths.stats["num_steps"]
             )
