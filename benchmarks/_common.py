@@ -9,6 +9,7 @@ on) and a PNG plot beside it.
 
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform
@@ -290,9 +291,10 @@ def time_contenders(
     """Compile several contenders, then time them interleaved, round-robin (A B C A B C
     ...), so that a drifting or shared machine slows all of them alike.
 
-    Each contender is jitted and compiled (timed apart), called once untimed if `warmup`,
+    Each contender is jitted and compiled (timed apart), called twice untimed if `warmup`,
     and then timed once per round, blocking on its result; a round of a contender faster
-    than `batch_time` is a batch of calls lasting about that long. Rounds go on until every
+    than `batch_time` is a batch of calls lasting about that long, sized from its fastest
+    call so far. Rounds go on until every
     contender has `repeats` rounds and `min_time` seconds of timed calls; a contender that
     has spent `max_time` seconds drops out.
 
@@ -351,9 +353,12 @@ def time_round_robin(
     batch = dict.fromkeys(calls, 1)
     if warmup:
         for name, call in calls.items():
-            t0 = time.perf_counter()
-            block(call())
-            batch[name] = _calls(time.perf_counter() - t0, batch_time)
+            fastest = math.inf
+            for _ in range(2):
+                t0 = time.perf_counter()
+                block(call())
+                fastest = min(fastest, time.perf_counter() - t0)
+            batch[name] = _calls(fastest, batch_time)
     times: dict[str, list[float]] = {name: [] for name in calls}
     cpu: dict[str, list[float]] = {name: [] for name in calls}
     spent = dict.fromkeys(calls, 0.0)
@@ -378,8 +383,12 @@ def time_round_robin(
             counted[name] += batch[name]
             if name not in outputs:
                 outputs[name] = result
-                if not warmup:
-                    batch[name] = _calls(elapsed, batch_time)
+            # Batches sized from the fastest call so far, not from the first alone: a first
+            # call can run 10-150x slower than later ones (caches, allocator, thread pools
+            # waking), and a contender timed in batches of 2 calls against another's 30 reads
+            # up to 3x slower per call on a fast kernel (hX, 2026-12-05, four copies of one
+            # `diffrax.Euler` step in one cell).
+            batch[name] = _calls(min(times[name]), batch_time)
     out = {
         name: dict(
             summarise_times(times[name]),
