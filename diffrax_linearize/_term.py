@@ -375,7 +375,8 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
     $u v^\\top$ (`u` shaped like leaf `r`, `v` like leaf `p`) whose sum is $W$.
 
     Where the derivative block stores more numbers than $W$ (for $g(y) = A y$ the tensor
-    $A$) $W$ is formed and contracted once, so that each stored entry is read once. Where
+    $A$) $W$ is formed and contracted once, so that each stored entry is read once; `v`
+    enters it through `_materialised`, computed once rather than once per entry of `u`. Where
     it stores no more (for $g_{ij} = y_i G_{ij}$ a delta times $G$) each term is
     contracted on its own: an outer product as two vectors, so that nothing computed per
     entry of `u` or `v` (a Brownian increment's `erf_inv`) lands in a loop over the
@@ -415,7 +416,9 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
                 with jax.numpy_dtype_promotion("standard"):
                     if jnp.size(d.val) > jnp.size(g_rp):
                         w_rp = sum(
-                            c * jnp.multiply.outer(*w) if isinstance(w, tuple) else c * w
+                            c * jnp.multiply.outer(w[0], _materialised(w[1]))
+                            if isinstance(w, tuple)
+                            else c * w
                             for c, w in terms
                         )
                         pieces.append([(w_rp.astype(dtype), in_labels + c_labels)])
@@ -435,6 +438,26 @@ def _contract_derivative(term, t, y, args, weight) -> PyTree[Array]:
                     total = total + jnp.broadcast_to(val, jnp.shape(yq)).astype(total.dtype)
         out.append(total)
     return jtu.tree_unflatten(y_tree, out)
+
+
+def _materialised(x: Array) -> Array:
+    """`x`, exactly, as the output of a matrix-vector product: computed once, into a buffer.
+
+    An outer product $u v^\\top$ reads each entry of `v` once per entry of `u`, and XLA's
+    CPU backend fuses a producer made of cheap elementwise operations (a Brownian
+    increment's sampling: bits to a uniform, then the `erf_inv` polynomial) into such a
+    consumer, recomputing it for every entry of the product (at d = m = 64, once per entry
+    of a 64 x 64 matrix instead of 64 times). `lax.optimization_barrier` does not prevent
+    this (none is left in the optimised CPU program, and the repetition stays); the operand
+    of a dot is computed once, into a buffer. Here `[x, 0] . [1, 0]`, exact (`HIGHEST`
+    precision, so a GPU's TF32 default cannot round it, and `x * 1 + 0 * 0` is `x`, NaN and
+    infinity included), at two multiply-adds per entry."""
+    x = jnp.asarray(x)
+    flat = jnp.ravel(x)
+    padded = jnp.stack([flat, jnp.zeros_like(flat)], axis=-1)
+    select = jnp.array([1, 0], flat.dtype)
+    out = jnp.dot(padded, select, precision=jax.lax.Precision.HIGHEST)
+    return jnp.reshape(out, x.shape)
 
 
 def _linear_in_state(term, t, y, args) -> bool:
@@ -538,20 +561,6 @@ def linear_diffusion_prod(term, t, y, args, control):
     return jtu.tree_unflatten(jtu.tree_structure(out_struct), [out])
 
 
-# Up to this many bytes, a derivative stored bigger than g (g = A y) is read twice by the Itô
-# step rather than once: the one contraction with W = (g dW) dW^T - dt g forms W entry by
-# entry after the Brownian increment is drawn, and XLA fuses the increment's elementwise
-# sampling (`erf_inv`) into that loop, recomputing it for each of the d*m entries (at
-# d = m = 64 that loop cost as much as a pass over A). The JVP instead reads the increment
-# through matrix-vector products only, and the trace term's pass needs no increment, so it
-# runs while the increment is drawn. Measured in benchmarks/step_cost.py (dense_linear): the
-# two passes faster at d = m <= 64 (A up to 1 MiB in float32), the one pass at 96 and above,
-# where A no longer fits in a core's cache (2 MiB of L2 there) and a pass costs its memory
-# traffic. Under adaptive steps the error estimate needs the symmetric double sum, which is
-# the JVP, so there the two passes are never more.
-_REREAD_DERIVATIVE_BYTES = 2**21
-
-
 def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
     """$\\sum_{j_1, j_2} (L^{j_1} g_{:, j_2}) (\\Delta W_{j_1} \\Delta W_{j_2} -
     \\delta_{j_1 j_2} \\Delta t)$, the double sum of the Itô Milstein step, where
@@ -563,28 +572,11 @@ def ito_milstein_correction(term, t, y, args, g_prod, dw, dt):
     $\\sum_{j, k} D_{i j k} \\big((g \\Delta W)_k \\Delta W_j - \\Delta t\\, g_{k j}\\big)$:
     a contraction of the structured derivative with a matrix shaped like $g$, so each
     stored entry of $D$ is read once (for $g(y) = A y$ one pass over $A$ instead of two).
-
-    Except where the derivative is stored bigger than $g$ but small
-    (`_REREAD_DERIVATIVE_BYTES`): there `None`, and the step takes the JVP (one pass over
-    $D$ along $g \\Delta W$) and the trace term (another, which needs no $\\Delta W$)."""
+    Where the matrix is formed ($D$ stored bigger than $g$), $\\Delta W$ enters it through
+    `_materialised`, so that its sampling is not repeated for each entry."""
     if _is_complex(term, t, y, args):
         return None
     if _noise_structure(term, t, y, args, "diffrax_linearize.ItoMilstein") != "general":
-        return None
-    matrix = jtu.tree_leaves(materialise(term, t, y, args))
-    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
-    n_y, n_c = len(jtu.tree_leaves(y)), len(jtu.tree_leaves(dw))
-    bigger = [
-        ell_to_plain(d).val
-        for q in range(n_y)
-        for p in range(n_c)
-        for r in range(n_y)
-        if (d := dblocks[q * n_c + p][r]) is not None
-        and jnp.size(ell_to_plain(d).val) > jnp.size(matrix[r * n_c + p])
-    ]
-    if bigger and sum(jnp.size(v) * jnp.dtype(v.dtype).itemsize for v in bigger) <= (
-        _REREAD_DERIVATIVE_BYTES
-    ):
         return None
     g_leaves = jtu.tree_leaves(g_prod)
     dw_leaves = jtu.tree_leaves(dw)

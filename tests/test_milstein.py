@@ -369,9 +369,7 @@ def _dense_correction(vf, y, m, dw, dt):
         "column_scaled_linear",
     ],
 )
-def test_ito_milstein_correction_against_jacfwd(name, dtype, monkeypatch):
-    # (For A y the one contraction is taken only for an A too big to read twice cheaply.)
-    monkeypatch.setattr(_term_module, "_REREAD_DERIVATIVE_BYTES", 0)
+def test_ito_milstein_correction_against_jacfwd(name, dtype):
     vf, shape = DIFFUSIONS[name]
     m = int(np.prod(shape))
     diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
@@ -404,27 +402,44 @@ def test_stratonovich_milstein_correction_against_jacfwd(name):
     assert np.max(np.abs(expected)) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["general_linear", "commuting_linear"])
-@pytest.mark.parametrize("small", [True, False])
-def test_ito_milstein_correction_rereads_a_small_derivative(name, small, monkeypatch):
-    # g = A y with A stored bigger than g: for a small A the step's JVP and trace term (two
-    # passes over A, `None` here), for a big one the single contraction.
-    vf, shape = DIFFUSIONS[name]
-    size = np.size(_B_GENERAL) * 8  # bytes of A in float64
-    monkeypatch.setattr(_term_module, "_REREAD_DERIVATIVE_BYTES", size if small else size - 1)
-    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
-    y = jnp.array([0.7, -1.1, 0.4])
-    dw, dt = jr.normal(jr.key(1), shape), 0.05
-    g_prod = diffusion.prod(vf(0.3, y, None), dw)
-    got = _term_module.ito_milstein_correction(diffusion, 0.3, y, None, g_prod, dw, dt)
-    if small:
-        assert got is None
-        # The step's two passes, against the dense double sum.
-        _, sym = jax.jvp(lambda y: diffusion.prod(vf(0.3, y, None), dw), (y,), (g_prod,))
-        got = sym - dt * milstein_module.ito_trace_term(diffusion, 0.3, y, None)
-    expected = _dense_correction(vf, y, int(np.prod(shape)), dw, dt)
-    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
-    assert np.max(np.abs(expected)) > 1e-3
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_materialised_is_exact(dtype):
+    x = jnp.array([[0.3, -1.7e-30, jnp.inf], [-jnp.inf, jnp.nan, 2.5e30]], dtype)
+    got = jax.jit(_term_module._materialised)(x)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    np.testing.assert_array_equal(got, x)
+
+
+def test_ito_step_samples_the_increment_once():
+    # g = A y: the one contraction forms W = (g dW) dW^T - dt g, d x m. In the compiled
+    # step no fusion that writes d*m numbers may compute the increment's sampling (the
+    # erf_inv of `jax.random.normal`): XLA fuses cheap elementwise producers into an outer
+    # product, repeating them per entry, unless dW comes through `_materialised`.
+    d = m = 6
+    A = jr.normal(jr.key(0), (d, m, d)) / d
+    vf = lambda t, y, A: jnp.einsum("imk,k->im", A, y)  # noqa: E731
+
+    def step(y, A, key):
+        bm = dfx.UnsafeBrownianPath((m,), key)
+        terms = dfx.MultiTerm(dfx.ODETerm(lambda t, y, A: -y), dfx.ControlTerm(vf, bm))
+        solver = dl.ItoMilstein()
+        state = solver.init(terms, 0.0, 0.01, y, A)
+        return solver.step(terms, 0.0, 0.01, y, A, state, False)[0]
+
+    y, key = jnp.linspace(0.5, 1.5, d), jr.key(1)
+    hlo = jax.jit(step).lower(y, A, key).compile().as_text()
+    computations = re.split(r"\n(?=\S)", hlo)
+    sampling = [c for c in computations if "erf_inv" in c]
+    assert sampling  # the check below looks at something
+    roots = [re.search(r"ROOT \S+ = \w+\[([\d,]*)\]", c) for c in sampling]
+    sizes = [int(np.prod([int(n) for n in r.group(1).split(",") if n])) for r in roots if r]
+    assert sizes and max(sizes) < d * m, sizes
+    dw = dfx.UnsafeBrownianPath((m,), key).evaluate(0.0, 0.01)
+    g_prod = vf(0.0, y, A) @ dw
+    expected = (
+        y - 0.01 * y + g_prod + 0.5 * _dense_correction(lambda t, y, _: vf(t, y, A), y, m, dw, 0.01)
+    )
+    np.testing.assert_allclose(jax.jit(step)(y, A, key), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -549,9 +564,7 @@ def test_linear_diffusion_prod_forms_no_matrix():
     np.testing.assert_allclose(prod(y, G, dw), term.vf_prod(0.3, y, G, dw), rtol=1e-13)
 
 
-def test_ito_milstein_correction_pytree(monkeypatch):
-    # The single contraction (taken for a derivative too big to read twice cheaply).
-    monkeypatch.setattr(_term_module, "_REREAD_DERIVATIVE_BYTES", 0)
+def test_ito_milstein_correction_pytree():
     diffusion = dfx.ControlTerm(_vf_tree, _DictBrownianPath(_vbt((3,), jr.key(0))))
     y = {"a": jnp.array([0.8, -0.5]), "b": jnp.array([1.2, 0.3, -0.7])}
     flat_dw = jnp.array([0.3, -0.8, 0.5])

@@ -218,8 +218,7 @@ def _milstein_parts(
     # the direction g(y0) dw. One JVP, unless the structured derivative does it cheaper.
     if ito:
         # For general noise, the whole Itô double sum in one contraction of the structured
-        # derivative of the diffusion (each stored entry read once), except for a small
-        # derivative stored bigger than g: see `_term._REREAD_DERIVATIVE_BYTES`.
+        # derivative of the diffusion (each stored entry read once).
         correction = ito_milstein_correction(diffusion, t0, y0, args, g0_prod, dw, dt)
     else:
         # For general noise with a compactly stored derivative, one matrix-vector product
