@@ -205,6 +205,10 @@ def _givens(a, b):
     return c, s.astype(jnp.result_type(a)), jnp.where(zero_a, b, phase * r)
 
 
+# The basis of GMRES's first cycle (see `_gmres`).
+_FIRST_CYCLE = 5
+
+
 def _gmres(mv, b, target, restart: int, max_iters: int):
     """Restarted GMRES for `B v = b` (flat vectors), stopping when the root mean square of
     the residual `b - B v` is at most `target`. Returns `(v, iterations, result)`.
@@ -212,24 +216,29 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
     Arnoldi by modified Gram-Schmidt; the least-squares problem is kept triangular by
     Givens rotations, which give the residual's norm at every iteration, so a solve stops
     at the first iteration that meets `target` (lineax's `GMRES` checks once per cycle of
-    `restart` iterations, and wants two cycles). The true residual is recomputed after
-    each cycle: a cycle ends early on the estimate, a solve only on the true residual.
+    `restart` iterations, and wants two cycles). A cycle that meets `target` by that
+    estimate ends the solve, as CVODE's GMRES ends; one that does not recomputes the true
+    residual, from which the next cycle starts.
 
-    The rotations are kept as their product `Q`, a small `(restart + 1)` square matrix,
-    so that an iteration applies them all in one matrix-vector product and the residual
-    is `beta Q[:, 0]`: XLA's CPU backend runs every small operation with an overhead of
-    its own (microseconds, more on a loaded machine), so a loop over the `j` rotations
-    cost more than the products of the short vectors it handles. Classical Gram-Schmidt
-    (two products with the whole basis) cost more than the few projections of a typical
-    solve (a few iterations), and the basis is not grown as needed: neither was faster
-    on the 64 x 64 Brusselator (see `git log`)."""
+    The first cycle holds a basis of at most `_FIRST_CYCLE` vectors, the later ones of
+    `restart`: the basis is an `(m + 1, n)` array written in full when a cycle starts, and
+    the solves of an integrator's chord or Newton iteration (a tolerance a fraction of the
+    step's) mostly take a few iterations, for which zeroing a basis of `restart + 1`
+    long vectors cost as much as the iterations themselves (CVODE's default basis is 5).
+
+    The rotations are kept as their product `Q`, a small `(m + 1)` square matrix, so that
+    an iteration applies them all in one matrix-vector product and the residual is
+    `beta Q[:, 0]`: XLA's CPU backend runs every small operation with an overhead of its
+    own (microseconds, more on a loaded machine), so a loop over the `j` rotations cost
+    more than the products of the short vectors it handles. Classical Gram-Schmidt (two
+    products with the whole basis) cost more than the few projections of a typical solve
+    (a few iterations): see `git log`."""
     n = b.size
-    m = min(restart, n)
     dtype = b.dtype
     tol2 = target * math.sqrt(n)  # on the 2-norm
-    idx = jnp.arange(m + 1)
 
-    def cycle(v0, r, beta, iters):
+    def cycle(m, v0, r, beta, iters):
+        idx = jnp.arange(m + 1)
         V = jnp.zeros((m + 1, n), dtype).at[0].set(r / beta.astype(dtype))
         R = jnp.zeros((m + 1, m), dtype)
         Q = jnp.eye(m + 1, dtype=dtype)
@@ -273,9 +282,13 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
         used = idx[:m] < j
         R = jnp.where(used[None, :], R[:m], jnp.eye(m, dtype=dtype))
         y = jax.scipy.linalg.solve_triangular(R, jnp.where(used, g, 0), lower=False)
-        # Against the whole basis, its last row weighted 0: a slice of it would be a copy.
-        y = jnp.concatenate([y, jnp.zeros((1,), dtype)])
-        return v0 + jnp.matmul(y, V, precision=lax.Precision.HIGHEST), j
+        # The `j` vectors of the basis made, one pass each (a product with the whole
+        # basis would read all `m + 1`).
+        v = lax.fori_loop(0, j, lambda i, v: v + y[i] * V[i], v0)
+        return v, j, jnp.abs(beta * Q[j, 0]).astype(beta.dtype)
+
+    m_first = min(_FIRST_CYCLE, restart, n)
+    m_later = min(restart, n)
 
     def outer_cond(carry):
         _, _, r_norm, iters, _, stalled = carry
@@ -283,9 +296,19 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
 
     def outer_body(carry):
         v, r, r_norm, iters, best, stalled = carry
-        v, j = cycle(v, r, r_norm, iters)
-        r = b - mv(v)
-        r_norm = jnp.linalg.norm(r)
+        args = (v, r, r_norm, iters)
+        if m_first == m_later:
+            v, j, estimate = cycle(m_later, *args)
+        else:
+            v, j, estimate = lax.cond(
+                iters == 0, lambda: cycle(m_first, *args), lambda: cycle(m_later, *args)
+            )
+
+        def residual():
+            r = b - mv(v)
+            return r, jnp.linalg.norm(r)
+
+        r, r_norm = lax.cond(estimate <= tol2, lambda: (r, estimate), residual)
         stalled = jnp.where(r_norm < best, 0, stalled + 1)
         return v, r, r_norm, iters + j, jnp.minimum(best, r_norm), stalled
 
