@@ -386,8 +386,10 @@ class _Krylov(_State):
 
 class _MatrixFree(_State):
     """GMRES's state `krylov` multiplying by `function` (a `lineax.FunctionLinearOperator`)
-    in place of the materialised `operator`, which still serves its transpose (a solve of
-    the adjoint system in reverse-mode differentiation)."""
+    in place of `operator`, which serves its transpose (a solve of the adjoint system in
+    reverse-mode differentiation): the materialised operator, or `function` itself, then
+    transposed by `jax.linear_transpose` with the same Jacobi preconditioner (a matrix
+    and its transpose have one diagonal)."""
 
     krylov: "_Krylov"
     function: lx.AbstractLinearOperator
@@ -397,6 +399,14 @@ class _MatrixFree(_State):
         return _Krylov(self.function, k.inverse_diagonal, k.preconditioner, k.solver).solve(
             vector, options
         )
+
+    def transpose(self, solver, options):
+        if not isinstance(self.operator, lx.FunctionLinearOperator):
+            return _factor(self.operator.transpose(), solver, options)
+        k = self.krylov
+        function = self.function.transpose()
+        krylov = _Krylov(function, k.inverse_diagonal, k.preconditioner, k.solver)
+        return _MatrixFree(function, krylov, function)
 
 
 class _Preconditioner(_State):
@@ -434,15 +444,37 @@ def detach(state):
     return _Preconditioner(identity, state.inverse_diagonal, state.solver)
 
 
+def is_detached(state) -> bool:
+    """Whether `state` is GMRES's state made by [`detach`][] (for an integrator, a static
+    choice of what it carries: the Jacobi preconditioner only needs a diagonal)."""
+    return isinstance(state, _Preconditioner)
+
+
+def with_diagonal(state, diagonal):
+    """The detached GMRES state `state` (see [`detach`][]) with the Jacobi preconditioner
+    of an operator whose diagonal is `diagonal` (flat): what `init` would make of that
+    operator, for an integrator that carries only the diagonals of its operators."""
+    if not is_detached(state):
+        raise ValueError(
+            f"`{_API}`: `with_diagonal` takes a detached GMRES state (a bug in "
+            "diffrax_linearize: please report it)."
+        )
+    inverse = jnp.reshape(_jacobi(diagonal), state.inverse_diagonal.shape)
+    return _Preconditioner(
+        state.operator, inverse.astype(state.inverse_diagonal.dtype), state.solver
+    )
+
+
 def matrix_free(state, mv, operator):
     """The state `state` of [`diffrax_linearize.StructuredLinearSolver`][] for solves with
-    `operator` (materialised, the one `state` was made from) by its product `mv` (flat
-    vectors to flat vectors), when that state is GMRES's (made by `init`, or `detach`ed),
-    which only multiplies by its operator: its preconditioner stays the one made from the
-    materialised operator, and so does its transpose. Any other state (a factorisation) is
-    returned as it is. For an integrator that knows a cheaper product than the
-    materialised operator's (forward-mode differentiation of its vector field); `mv` must
-    be the product by `operator`, up to rounding."""
+    `operator` by its product `mv` (flat vectors to flat vectors), when that state is
+    GMRES's (made by `init`, or `detach`ed), which only multiplies by its operator: its
+    preconditioner stays the one `state` holds. `operator` is the materialised one `state`
+    was made from (it serves the transpose), or a `lineax.FunctionLinearOperator` of `mv`
+    (then transposed as a function). Any other state (a factorisation) is returned as it
+    is. For an integrator that knows a cheaper product than the materialised operator's
+    (forward-mode differentiation of its vector field); `mv` must be the product by
+    `operator`, up to rounding."""
     if isinstance(state, _Preconditioner):
         state = _Krylov(operator, state.inverse_diagonal, None, state.solver)
     if not isinstance(state, _Krylov):
@@ -747,6 +779,13 @@ class _Permuted(_State):
         return jnp.reshape(x, self.operator.in_structure().shape), result, stats
 
 
+def _jacobi(diagonal):
+    # The inverse of the diagonal, 1 where it is zero (no scaling rather than a division by
+    # zero).
+    d = diagonal
+    return jnp.where(d == 0, 1, 1 / jnp.where(d == 0, 1, d))
+
+
 def _factor_sparse(operator, rows, cols, values, diagonal, solver, options):
     """The sparse path, for the entries `values` at the static `(rows, cols)` of a square
     operator of `m` unknowns: reordered to a band and factored where that is cheap, else
@@ -768,9 +807,7 @@ def _factor_sparse(operator, rows, cols, values, diagonal, solver, options):
             inner = _block_tridiagonal_lu(operator, inv[rows], inv[cols], values, m, width)
             return _Permuted(operator, inner, StaticArray(perm), StaticArray(inv))
     # Jacobi: the diagonal read off the pattern, as `jacobian_diagonal` reads it.
-    structure = operator.in_structure()
-    d = diagonal
-    inv_d = jnp.reshape(jnp.where(d == 0, 1, 1 / jnp.where(d == 0, 1, d)), structure.shape)
+    inv_d = jnp.reshape(_jacobi(diagonal), operator.in_structure().shape)
     preconditioner = options.get("preconditioner")
     if preconditioner is not None:
         inv_d = None
