@@ -537,17 +537,24 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
         inf = jnp.asarray(jnp.inf, dtype)
         e_q = scaled(error)
-        e_m = jnp.where(q > 1, scaled(error_const[jnp.maximum(q - 1, 0)] * D_new[q]), inf)
-        e_p = jnp.where(
-            q < K,
-            scaled(error_const[jnp.minimum(q + 1, K)] * D_new[jnp.minimum(q + 2, K + 1)]),
-            inf,
-        )
+        accepted = e_q < 1
+        consider = (steps_at_order >= q + 1) & accepted
+
+        def neighbours():
+            e_m = jnp.where(q > 1, scaled(error_const[jnp.maximum(q - 1, 0)] * D_new[q]), inf)
+            e_p = jnp.where(
+                q < K,
+                scaled(error_const[jnp.minimum(q + 1, K)] * D_new[jnp.minimum(q + 2, K + 1)]),
+                inf,
+            )
+            return e_m, e_p
+
+        # The errors of the orders around q only where the order is chosen (one step in
+        # q + 1): two passes over the state that the other steps skip.
+        e_m, e_p = jax.lax.cond(consider, neighbours, lambda: (inf, inf))
         orders = (q + jnp.arange(-1, 2)).astype(dtype)
         with jax.numpy_dtype_promotion("standard"):
             factors = jnp.stack([e_m, e_q, e_p]) ** (-1 / (orders + 1))
-        accepted = e_q < 1
-        consider = (steps_at_order >= q + 1) & accepted
         best = jnp.argmax(factors)  # the lowest order of equal factors, as scipy's
         q_next = jnp.where(consider, q + best - 1, q)
         # Between choices an accepted step asks for the same step size again (`_HOLD`); a
