@@ -704,11 +704,12 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
                 ((rows == cols) & (rows > q + 2)).astype(dtype),
             ),
         )
-        on_d = (rows >= 1) & (rows <= q + 2)
-        update = jnp.concatenate(
-            [_matmul(update, rescale), on_d.astype(dtype), (rows == 0).astype(dtype)], axis=1
-        )
-        D_new = _combine(update, [*history, d, y1])
+        # Row 0 is y1, and the other rows read neither y0 nor y1 (the rescaling keeps row 0
+        # apart): combined from the old rows 1 to K + 1 and d only, a third fewer products
+        # in a pass that is bound by them.
+        on_d = (rows[1:] >= 1) & (rows[1:] <= q + 2)
+        update = jnp.concatenate([_matmul(update, rescale)[1:, 1:], on_d.astype(dtype)], axis=1)
+        D_new = jnp.concatenate([y1[None], _combine(update, [*history[1:], d])])
         steps_at_order = steps_at_order + 1
         if self.variable_order:
             q_next, steps_at_order, error = self._choose_order(
