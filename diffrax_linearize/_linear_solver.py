@@ -538,8 +538,8 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
     diagonally dominant matrices, such as the `I - h γ J` of an implicit step of a
     diffusion-dominated problem, and may lose accuracy otherwise.
 
-    The GMRES path is iterative (right-preconditioned, restarted every `restart`
-    iterations, the residual checked at every iteration): it stops at the tolerances
+    The GMRES path is iterative (right-preconditioned, restarted after 5 iterations and
+    then every `restart`, the residual checked at every iteration): it stops at the tolerances
     below, and reports failure (`lineax.RESULTS`) if it does not converge. A caller that
     knows what accuracy it needs (an integrator's Newton or chord iteration) passes it in
     lineax's `options`, as CVODE's integrator tells its Krylov solver:
@@ -587,7 +587,8 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
           root mean square of `residual_i / (atol + rtol |b_i|)` is at most 1. Tolerances
           below the resolution of the operator's dtype (1e-5 in float32) are raised to it:
           `rtol` to it, `atol` to it times `max |b|`.
-        - `restart`: the Krylov subspace size before a restart.
+        - `restart`: the Krylov subspace size before a restart (the first cycle's is at
+          most 5, enough for most solves of an integrator's chord or Newton iteration).
         - `max_steps`: the most GMRES iterations, or `None` for `10 n` (`n` unknowns).
         - `linear_fraction`: with a caller's `options["scale"]` and
           `options["tolerance"]`, GMRES stops when the root mean square of
