@@ -205,6 +205,10 @@ def _givens(a, b):
     return c, s.astype(jnp.result_type(a)), jnp.where(zero_a, b, phase * r)
 
 
+# The basis of GMRES's first cycle (see `_gmres`).
+_FIRST_CYCLE = 5
+
+
 def _gmres(mv, b, target, restart: int, max_iters: int):
     """Restarted GMRES for `B v = b` (flat vectors), stopping when the root mean square of
     the residual `b - B v` is at most `target`. Returns `(v, iterations, result)`.
@@ -212,24 +216,29 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
     Arnoldi by modified Gram-Schmidt; the least-squares problem is kept triangular by
     Givens rotations, which give the residual's norm at every iteration, so a solve stops
     at the first iteration that meets `target` (lineax's `GMRES` checks once per cycle of
-    `restart` iterations, and wants two cycles). The true residual is recomputed after
-    each cycle: a cycle ends early on the estimate, a solve only on the true residual.
+    `restart` iterations, and wants two cycles). A cycle that meets `target` by that
+    estimate ends the solve, as CVODE's GMRES ends; one that does not recomputes the true
+    residual, from which the next cycle starts.
 
-    The rotations are kept as their product `Q`, a small `(restart + 1)` square matrix,
-    so that an iteration applies them all in one matrix-vector product and the residual
-    is `beta Q[:, 0]`: XLA's CPU backend runs every small operation with an overhead of
-    its own (microseconds, more on a loaded machine), so a loop over the `j` rotations
-    cost more than the products of the short vectors it handles. Classical Gram-Schmidt
-    (two products with the whole basis) cost more than the few projections of a typical
-    solve (a few iterations), and the basis is not grown as needed: neither was faster
-    on the 64 x 64 Brusselator (see `git log`)."""
+    The first cycle holds a basis of at most `_FIRST_CYCLE` vectors, the later ones of
+    `restart`: the basis is an `(m + 1, n)` array written in full when a cycle starts, and
+    the solves of an integrator's chord or Newton iteration (a tolerance a fraction of the
+    step's) mostly take a few iterations, for which zeroing a basis of `restart + 1`
+    long vectors cost as much as the iterations themselves (CVODE's default basis is 5).
+
+    The rotations are kept as their product `Q`, a small `(m + 1)` square matrix, so that
+    an iteration applies them all in one matrix-vector product and the residual is
+    `beta Q[:, 0]`: XLA's CPU backend runs every small operation with an overhead of its
+    own (microseconds, more on a loaded machine), so a loop over the `j` rotations cost
+    more than the products of the short vectors it handles. Classical Gram-Schmidt (two
+    products with the whole basis) cost more than the few projections of a typical solve
+    (a few iterations): see `git log`."""
     n = b.size
-    m = min(restart, n)
     dtype = b.dtype
     tol2 = target * math.sqrt(n)  # on the 2-norm
-    idx = jnp.arange(m + 1)
 
-    def cycle(v0, r, beta, iters):
+    def cycle(m, v0, r, beta, iters):
+        idx = jnp.arange(m + 1)
         V = jnp.zeros((m + 1, n), dtype).at[0].set(r / beta.astype(dtype))
         R = jnp.zeros((m + 1, m), dtype)
         Q = jnp.eye(m + 1, dtype=dtype)
@@ -273,9 +282,13 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
         used = idx[:m] < j
         R = jnp.where(used[None, :], R[:m], jnp.eye(m, dtype=dtype))
         y = jax.scipy.linalg.solve_triangular(R, jnp.where(used, g, 0), lower=False)
-        # Against the whole basis, its last row weighted 0: a slice of it would be a copy.
-        y = jnp.concatenate([y, jnp.zeros((1,), dtype)])
-        return v0 + jnp.matmul(y, V, precision=lax.Precision.HIGHEST), j
+        # The `j` vectors of the basis made, one pass each (a product with the whole
+        # basis would read all `m + 1`).
+        v = lax.fori_loop(0, j, lambda i, v: v + y[i] * V[i], v0)
+        return v, j, jnp.abs(beta * Q[j, 0]).astype(beta.dtype)
+
+    m_first = min(_FIRST_CYCLE, restart, n)
+    m_later = min(restart, n)
 
     def outer_cond(carry):
         _, _, r_norm, iters, _, stalled = carry
@@ -283,9 +296,19 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
 
     def outer_body(carry):
         v, r, r_norm, iters, best, stalled = carry
-        v, j = cycle(v, r, r_norm, iters)
-        r = b - mv(v)
-        r_norm = jnp.linalg.norm(r)
+        args = (v, r, r_norm, iters)
+        if m_first == m_later:
+            v, j, estimate = cycle(m_later, *args)
+        else:
+            v, j, estimate = lax.cond(
+                iters == 0, lambda: cycle(m_first, *args), lambda: cycle(m_later, *args)
+            )
+
+        def residual():
+            r = b - mv(v)
+            return r, jnp.linalg.norm(r)
+
+        r, r_norm = lax.cond(estimate <= tol2, lambda: (r, estimate), residual)
         stalled = jnp.where(r_norm < best, 0, stalled + 1)
         return v, r, r_norm, iters + j, jnp.minimum(best, r_norm), stalled
 
@@ -363,8 +386,10 @@ class _Krylov(_State):
 
 class _MatrixFree(_State):
     """GMRES's state `krylov` multiplying by `function` (a `lineax.FunctionLinearOperator`)
-    in place of the materialised `operator`, which still serves its transpose (a solve of
-    the adjoint system in reverse-mode differentiation)."""
+    in place of `operator`, which serves its transpose (a solve of the adjoint system in
+    reverse-mode differentiation): the materialised operator, or `function` itself, then
+    transposed by `jax.linear_transpose` with the same Jacobi preconditioner (a matrix
+    and its transpose have one diagonal)."""
 
     krylov: "_Krylov"
     function: lx.AbstractLinearOperator
@@ -374,6 +399,14 @@ class _MatrixFree(_State):
         return _Krylov(self.function, k.inverse_diagonal, k.preconditioner, k.solver).solve(
             vector, options
         )
+
+    def transpose(self, solver, options):
+        if not isinstance(self.operator, lx.FunctionLinearOperator):
+            return _factor(self.operator.transpose(), solver, options)
+        k = self.krylov
+        function = self.function.transpose()
+        krylov = _Krylov(function, k.inverse_diagonal, k.preconditioner, k.solver)
+        return _MatrixFree(function, krylov, function)
 
 
 class _Preconditioner(_State):
@@ -411,15 +444,37 @@ def detach(state):
     return _Preconditioner(identity, state.inverse_diagonal, state.solver)
 
 
+def is_detached(state) -> bool:
+    """Whether `state` is GMRES's state made by [`detach`][] (for an integrator, a static
+    choice of what it carries: the Jacobi preconditioner only needs a diagonal)."""
+    return isinstance(state, _Preconditioner)
+
+
+def with_diagonal(state, diagonal):
+    """The detached GMRES state `state` (see [`detach`][]) with the Jacobi preconditioner
+    of an operator whose diagonal is `diagonal` (flat): what `init` would make of that
+    operator, for an integrator that carries only the diagonals of its operators."""
+    if not is_detached(state):
+        raise ValueError(
+            f"`{_API}`: `with_diagonal` takes a detached GMRES state (a bug in "
+            "diffrax_linearize: please report it)."
+        )
+    inverse = jnp.reshape(_jacobi(diagonal), state.inverse_diagonal.shape)
+    return _Preconditioner(
+        state.operator, inverse.astype(state.inverse_diagonal.dtype), state.solver
+    )
+
+
 def matrix_free(state, mv, operator):
     """The state `state` of [`diffrax_linearize.StructuredLinearSolver`][] for solves with
-    `operator` (materialised, the one `state` was made from) by its product `mv` (flat
-    vectors to flat vectors), when that state is GMRES's (made by `init`, or `detach`ed),
-    which only multiplies by its operator: its preconditioner stays the one made from the
-    materialised operator, and so does its transpose. Any other state (a factorisation) is
-    returned as it is. For an integrator that knows a cheaper product than the
-    materialised operator's (forward-mode differentiation of its vector field); `mv` must
-    be the product by `operator`, up to rounding."""
+    `operator` by its product `mv` (flat vectors to flat vectors), when that state is
+    GMRES's (made by `init`, or `detach`ed), which only multiplies by its operator: its
+    preconditioner stays the one `state` holds. `operator` is the materialised one `state`
+    was made from (it serves the transpose), or a `lineax.FunctionLinearOperator` of `mv`
+    (then transposed as a function). Any other state (a factorisation) is returned as it
+    is. For an integrator that knows a cheaper product than the materialised operator's
+    (forward-mode differentiation of its vector field); `mv` must be the product by
+    `operator`, up to rounding."""
     if isinstance(state, _Preconditioner):
         state = _Krylov(operator, state.inverse_diagonal, None, state.solver)
     if not isinstance(state, _Krylov):
@@ -483,8 +538,8 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
     diagonally dominant matrices, such as the `I - h γ J` of an implicit step of a
     diffusion-dominated problem, and may lose accuracy otherwise.
 
-    The GMRES path is iterative (right-preconditioned, restarted every `restart`
-    iterations, the residual checked at every iteration): it stops at the tolerances
+    The GMRES path is iterative (right-preconditioned, restarted after 5 iterations and
+    then every `restart`, the residual checked at every iteration): it stops at the tolerances
     below, and reports failure (`lineax.RESULTS`) if it does not converge. A caller that
     knows what accuracy it needs (an integrator's Newton or chord iteration) passes it in
     lineax's `options`, as CVODE's integrator tells its Krylov solver:
@@ -532,7 +587,8 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
           root mean square of `residual_i / (atol + rtol |b_i|)` is at most 1. Tolerances
           below the resolution of the operator's dtype (1e-5 in float32) are raised to it:
           `rtol` to it, `atol` to it times `max |b|`.
-        - `restart`: the Krylov subspace size before a restart.
+        - `restart`: the Krylov subspace size before a restart (the first cycle's is at
+          most 5, enough for most solves of an integrator's chord or Newton iteration).
         - `max_steps`: the most GMRES iterations, or `None` for `10 n` (`n` unknowns).
         - `linear_fraction`: with a caller's `options["scale"]` and
           `options["tolerance"]`, GMRES stops when the root mean square of
@@ -724,6 +780,13 @@ class _Permuted(_State):
         return jnp.reshape(x, self.operator.in_structure().shape), result, stats
 
 
+def _jacobi(diagonal):
+    # The inverse of the diagonal, 1 where it is zero (no scaling rather than a division by
+    # zero).
+    d = diagonal
+    return jnp.where(d == 0, 1, 1 / jnp.where(d == 0, 1, d))
+
+
 def _factor_sparse(operator, rows, cols, values, diagonal, solver, options):
     """The sparse path, for the entries `values` at the static `(rows, cols)` of a square
     operator of `m` unknowns: reordered to a band and factored where that is cheap, else
@@ -745,9 +808,7 @@ def _factor_sparse(operator, rows, cols, values, diagonal, solver, options):
             inner = _block_tridiagonal_lu(operator, inv[rows], inv[cols], values, m, width)
             return _Permuted(operator, inner, StaticArray(perm), StaticArray(inv))
     # Jacobi: the diagonal read off the pattern, as `jacobian_diagonal` reads it.
-    structure = operator.in_structure()
-    d = diagonal
-    inv_d = jnp.reshape(jnp.where(d == 0, 1, 1 / jnp.where(d == 0, 1, d)), structure.shape)
+    inv_d = jnp.reshape(_jacobi(diagonal), operator.in_structure().shape)
     preconditioner = options.get("preconditioner")
     if preconditioner is not None:
         inv_d = None
