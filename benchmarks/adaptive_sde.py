@@ -248,13 +248,17 @@ class _GridPath(dfx.AbstractBrownianPath):
     """A Brownian path sampled on the uniform grid `k h` (increments, Lévy areas and
     space-time Lévy areas of each cell), evaluated over `[s, u]` after rounding `s` and `u`
     to the grid. With `kind="iterated"` it returns `dl.IteratedIntegrals` (ours), with
-    `kind="spacetime"` a `diffrax.SpaceTimeLevyArea` (SPaRK)."""
+    `kind="spacetime"` a `diffrax.SpaceTimeLevyArea` (SPaRK).
+
+    The running sums at each grid point are one row of `sums` (`_pack`), so that a query
+    reads two rows: in a `jax.vmap`ped adaptive solve every path has its own step times,
+    and each row read is a gather per path and step, which with `W`, the areas and the
+    time integrals in three arrays were four gathers (a quarter of the time of a step of
+    the general-noise solver, against two rows)."""
 
     h: float = eqx.field(static=True)
     kind: str = eqx.field(static=True)
-    W: jax.Array  # (n + 1, m): W(t_k)
-    area: jax.Array  # (n + 1, m, m): A over [0, t_k]
-    integral: jax.Array  # (n + 1, m): int_0^{t_k} W dr
+    sums: jax.Array  # (n + 1, m + m^2 + m): W(t_k), A over [0, t_k], int_0^{t_k} W dr
 
     @property
     def t0(self):
@@ -262,14 +266,14 @@ class _GridPath(dfx.AbstractBrownianPath):
 
     @property
     def t1(self):
-        return self.h * (self.W.shape[0] - 1)
+        return self.h * (self.sums.shape[0] - 1)
 
     @property
     def levy_area(self):
         return dl.IteratedIntegrals if self.kind == "iterated" else dfx.SpaceTimeLevyArea
 
     def _index(self, t):
-        n = self.W.shape[0] - 1
+        n = self.sums.shape[0] - 1
         return jnp.clip(jnp.round(jnp.asarray(t) / self.h).astype(jnp.int32), 0, n)
 
     def evaluate(self, t0, t1=None, left=True, use_levy=False):
@@ -277,23 +281,39 @@ class _GridPath(dfx.AbstractBrownianPath):
         if t1 is None:
             t0, t1 = 0.0, t0
         i, j = self._index(t0), self._index(t1)
-        dW = self.W[j] - self.W[i]
+        # `lax.dynamic_index_in_dim` over `sums[i]`: the index is already in bounds, and
+        # NumPy indexing would add a select for negative ones to every step.
+        s = jax.lax.dynamic_index_in_dim(self.sums, i, keepdims=False)
+        u = jax.lax.dynamic_index_in_dim(self.sums, j, keepdims=False)
+        W_s, area_s, integral_s = _unpack(s)
+        W_u, area_u, integral_u = _unpack(u)
+        dW = W_u - W_s
         if not use_levy:
             return dW
         dt = (j - i) * self.h
         if self.kind == "iterated":
-            w_i = self.W[i]
-            area = self.area[j] - self.area[i] - 0.5 * (jnp.outer(w_i, dW) - jnp.outer(dW, w_i))
+            area = area_u - area_s - 0.5 * (jnp.outer(W_s, dW) - jnp.outer(dW, W_s))
             return dl.IteratedIntegrals(dt=dt, W=dW, A=area)
         # h H = int_s^u (W_r - W_s) dr - h dW / 2
         safe = jnp.where(dt > 0, dt, 1.0)
-        H = (self.integral[j] - self.integral[i] - dt * self.W[i]) / safe - 0.5 * dW
+        H = (integral_u - integral_s - dt * W_s) / safe - 0.5 * dW
         return dfx.SpaceTimeLevyArea(dt=dt, W=dW, H=jnp.where(dt > 0, H, 0.0))
 
 
+def _pack(W, area, integral):
+    """The rows `[W, A (flattened), int W dr]` of `_GridPath.sums`."""
+    flat = area.reshape(area.shape[:-2] + (M * M,))
+    return jnp.concatenate([W, flat, integral], axis=-1)
+
+
+def _unpack(row):
+    return row[:M], row[M : M + M * M].reshape(M, M), row[M + M * M :]
+
+
 def _grid_data(key, n: int):
-    """Increments, Lévy areas (conditional on the increments) and space-time Lévy areas
-    (independent of them) of the `n` cells of `[0, T1]`, as running sums. Within one cell
+    """The rows of `_GridPath.sums`: running sums of the increments, Lévy areas
+    (conditional on the increments) and space-time Lévy areas (independent of them) of
+    the `n` cells of `[0, T1]`, sampled from `key`. Within one cell
     the area is not correlated with the space-time area as for a Brownian motion; over a
     step of k cells that misses a fraction of about k^(-1/2) of the joint law."""
     h = T1 / n
@@ -306,13 +326,13 @@ def _grid_data(key, n: int):
 
 
 def _grid_sums(h, dW, areas, H):
-    """The running sums `(W, area, integral)` of `_GridPath` from the increments, Lévy areas
-    and space-time Lévy areas of the cells."""
+    """The running sums of `_GridPath` (`_pack`ed) from the increments, Lévy areas and
+    space-time Lévy areas of the cells."""
     n = dW.shape[0]
     grid = dl.GridLevyAreaPath(jnp.linspace(0.0, h * n, n + 1), dW, areas)
     cell_integral = h * (grid.W[:-1] + 0.5 * dW + H)
     integral = jnp.concatenate([jnp.zeros((1, dW.shape[1])), jnp.cumsum(cell_integral, axis=0)])
-    return grid.W, grid.area, integral
+    return _pack(grid.W, grid.area, integral)
 
 
 # ---- contenders ----------------------------------------------------------------------------
@@ -377,9 +397,8 @@ def _make_solve(problem: dict, contender: dict, n_ref: int, max_steps: int):
 
     def path(key):
         if general:
-            W, area, integral = key
             kind = "iterated" if contender["ito"] else "spacetime"
-            return _GridPath(T1 / n_ref, kind, W, area, integral)
+            return _GridPath(T1 / n_ref, kind, key)
         return dfx.VirtualBrownianTree(
             0.0, T1, tol=T1 / (4 * n_ref), shape=(M,), key=key, levy_area=dfx.SpaceTimeLevyArea
         )
@@ -432,9 +451,8 @@ def _calls_per_step(problem: dict, contender: dict) -> int:
     solver = contender["solver"]
     if problem["noise"] == "general":
         n = 16
-        W, area, integral = _grid_data(jr.key(0), n)
         kind = "iterated" if contender["ito"] else "spacetime"
-        bm = _GridPath(T1 / n, kind, W, area, integral)
+        bm = _GridPath(T1 / n, kind, _grid_data(jr.key(0), n))
     else:
         bm = dfx.VirtualBrownianTree(
             0.0, T1, tol=1e-3, shape=(M,), key=jr.key(0), levy_area=dfx.SpaceTimeLevyArea

@@ -31,9 +31,9 @@ def _grid_checks():
     x = h * jr.normal(k_a, (N,))
     areas = jnp.stack([jnp.stack([0 * x, x], -1), jnp.stack([-x, 0 * x], -1)], -2)
     H = jnp.sqrt(h / 12) * jr.normal(k_h, (N, 2))
-    W, area, integral = bench._grid_sums(h, dW, areas, H)
-    iterated = bench._GridPath(h, "iterated", W, area, integral)
-    spacetime = bench._GridPath(h, "spacetime", W, area, integral)
+    sums = bench._grid_sums(h, dW, areas, H)
+    iterated = bench._GridPath(h, "iterated", sums)
+    spacetime = bench._GridPath(h, "spacetime", sums)
     s, t, u = 5 * h, 23 * h, 50 * h
     a, b, c = (iterated.evaluate(*x, use_levy=True) for x in ((s, t), (t, u), (s, u)))
     # The library's own grid path over the same cells.
