@@ -288,17 +288,22 @@ def solve_lanes(
         path = jnp.clip(path, 0, size - 1)
         return start(keys[path], take(y0_b, path), take(args_b, path))
 
-    # `made_jump` stays a Python `False` (so that solvers skip the work of a jump at
-    # trace time) unless a step can set it, as in `diffeqsolve`.
+    # A Python scalar of the prepared state that a step turns into an array (as `made_jump`
+    # when a step can set it, or `diffrax.PIDController(dtmin=...)`'s `at_dtmin` flag) is
+    # made that array from the start, as `diffeqsolve`'s `lax.while_loop` does; the others
+    # stay Python values (so that, for one, solvers skip the work of a jump at trace time).
     probe = eqx.filter_eval_shape(start_unfixed, 0)
-    stepped = eqx.filter_eval_shape(_step, probe, probe.t1)
-    traced_jump = isinstance(probe.made_jump, bool) and not isinstance(stepped.made_jump, bool)
+    stepped = _moving(eqx.filter_eval_shape(_step, probe, probe.t1))
+
+    def as_stepped(x, s):
+        if eqx.is_array(x) or not isinstance(s, jax.ShapeDtypeStruct):
+            return x
+        return jnp.asarray(x, dtype=s.dtype)
 
     def start_path(path):
         lane = start_unfixed(path)
-        if traced_jump:
-            lane = eqx.tree_at(lambda s: s.made_jump, lane, jnp.asarray(lane.made_jump))
-        return lane
+        moving = jtu.tree_map(as_stepped, _moving(lane), stepped, is_leaf=lambda x: x is None)
+        return eqx.tree_at(_moving, lane, moving, is_leaf=lambda x: x is None)
 
     paths = jnp.arange(lanes)
     lane = eqx.filter_vmap(start_path)(paths)

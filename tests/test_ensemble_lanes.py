@@ -202,6 +202,20 @@ def test_lanes_drift_implicit_milstein_to_tolerance():
     np.testing.assert_allclose(out.mean, np.asarray(ys).mean(0), rtol=0, atol=5e-3)
 
 
+def test_lanes_with_a_minimum_step():
+    # `PIDController(dtmin=...)` starts with a Python `False` flag ("at the minimum step")
+    # that its first step turns into an array: the lanes once failed on it.
+    keys = jr.split(jr.key(4), len(SDE_RATES))
+    saveat, solver = diffrax.SaveAt(t1=True), dl.ItoMilstein()
+    controller = diffrax.PIDController(rtol=1e-3, atol=1e-4, dtmin=0.02)
+    kwargs = dict(keys=keys, batch_args=True, lanes=3, stepsize_controller=controller)
+    out = dl.solve_ensemble(_sde_terms, solver, 0.0, T1, 0.05, Y0, SDE_RATES, **kwargs)
+    ref = _reference(_sde_terms, solver, controller, 0.05, saveat, keys, SDE_RATES)
+    _check_paths(out, ref)
+    # The minimum step binds (the stiffest paths would take more steps without it).
+    assert int(np.max(ref[2]["num_accepted_steps"])) <= T1 / 0.02 + 1
+
+
 def test_lanes_reverse_time():
     # `t0 > t1`: time runs backwards, as in `diffeqsolve`.
     keys = jr.split(jr.key(1), 5)
