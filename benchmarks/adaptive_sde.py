@@ -77,7 +77,14 @@ mean), its `EnsembleGPUArray` fuses the trajectories into one system with shared
 the steps of the hardest path, everywhere). Solving the paths one at a time in JAX
 (`jax.lax.map`, or `solve_ensemble(chunk_size=1)`) removes the lockstep but loses the
 vectorisation, and on these two-unknown SDEs costs more per path than the vmapped batch
-(several times more per step), so the batch is what a user would run. The ratios by steps
+(several times more per step), so the batch is what a user would run. `dl.solve_ensemble(...,
+lanes=L)` removes the lockstep and keeps the vectorisation, and was tried here as each
+adaptive contender's second way to batch (hY, 2026-12-05): on these two-unknown SDEs an
+iteration of L lanes costs about what an iteration of the whole vmapped batch costs, so fewer
+lanes than paths take more iterations for little saving each, and as many lanes as paths take
+as many iterations as the vmap; the lanes rows came out level with the vmapped ones within the
+noise and doubled the run's time, so they are not kept (the `ensemble_lanes` benchmark shows
+where lanes pay: paths whose step counts spread widely). The ratios by steps
 per path (the mean, what each path needs on its own) are the lockstep-free comparison; the
 ratio of `max_steps_path` to `steps` of an adaptive row is what the lockstep adds to its time.
 
