@@ -12,7 +12,6 @@ reverse mode takes.
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import lineax as lx
 import optimistix as optx
@@ -76,10 +75,21 @@ def corrector(y, d, linear_solver, g, t1, y_predict, psi, alpha_q):
     solver = _StructuredJacobian(linear_solver)
     inputs = (y_star, residual)
     y, _ = optx.internal.implicit_jvp(_primal, _residual, inputs, frozenset(), solver)
-    # d's derivative is y's less the predictor's; its value is the iteration's own (which
-    # rounds differently from y - y_predict): the two differences below are zero.
-    d = jax.lax.stop_gradient(d) + ((y - y_star) - (y_predict - jax.lax.stop_gradient(y_predict)))
-    return y, jnp.asarray(d)
+    return y, _correction(jax.lax.stop_gradient(d), y, y_predict)
+
+
+@jax.custom_jvp
+def _correction(d, y, y_predict):
+    """`d`, the iteration's own `y - y_predict` (which rounds differently from that
+    difference), with the derivative of `y - y_predict`: no operation on the way."""
+    return d
+
+
+@_correction.defjvp
+def _correction_jvp(primals, tangents):
+    d, _, _ = primals
+    _, t_y, t_predict = tangents
+    return d, t_y - t_predict
 
 
 def _stop(x):
