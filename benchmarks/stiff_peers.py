@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable
 
 import diffrax
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg
@@ -439,8 +440,14 @@ def _jax_compiled(make_solver, rhs_jnp, y0, t1):
     solver = make_solver()
 
     def fn(y0, rtol, atol):
+        # The Rosenbrock solvers take the controller's tolerances too, for their GMRES
+        # stage solves (BDF gets them through its root finder, as Diffrax's solvers).
+        s = solver
+        if getattr(solver, "rtol", False) is None and not hasattr(solver, "root_finder"):
+            none = lambda x: x is None  # noqa: E731
+            s = eqx.tree_at(lambda s: (s.rtol, s.atol), solver, (rtol, atol), is_leaf=none)
         sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(lambda t, y, args: rhs_jnp(y)), solver, 0.0, t1, None, y0,
+            diffrax.ODETerm(lambda t, y, args: rhs_jnp(y)), s, 0.0, t1, None, y0,
             stepsize_controller=controller_for(solver, rtol, atol),
             max_steps=200_000, throw=False,
         )  # fmt: skip

@@ -542,3 +542,164 @@ def test_variable_order_holds_the_step_size(pcoeff, icoeff):
             prev_h = None
     assert orders == {1, 2, 3, 4, 5}, orders
     assert changes > 10
+
+
+# Differentiation. The corrector is differentiated at its solution by the implicit
+# function theorem (`_solver/corrector.py`), not through the chord iteration's
+# `while_loop`: reverse mode works with `diffrax.RecursiveCheckpointAdjoint` (the default)
+# and `diffrax.DirectAdjoint`, forward mode with `diffrax.ForwardMode` and `DirectAdjoint`.
+
+
+def _bdf_loss(p, y0, adjoint=diffrax.RecursiveCheckpointAdjoint(), solver=dl.BDF(), rtol=1e-8):
+    """A stiff nonlinear problem with a parameter in `args` and one in a closed-over
+    pytree (a scale on the stiff rate)."""
+    params = {"stiff": 1e3 * p}
+
+    def f(t, y, args):
+        return jnp.stack([-args * y[0] ** 3 + 1e2 * y[1], -params["stiff"] * y[1] + y[0] ** 2])
+
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(f),
+        solver,
+        0.0,
+        1.0,
+        1e-3,
+        y0,
+        args=2.0 * p,
+        stepsize_controller=diffrax.PIDController(rtol=rtol, atol=rtol),
+        adjoint=adjoint,
+        max_steps=4096,
+    )
+    return jnp.sum(sol.ys[-1] ** 2)
+
+
+@pytest.mark.parametrize(
+    "adjoint",
+    [
+        # ~20-35 s each on 2 loaded cores (the gradient's compilation and five solves).
+        pytest.param(diffrax.RecursiveCheckpointAdjoint(), marks=pytest.mark.slow),
+        pytest.param(diffrax.DirectAdjoint(), marks=pytest.mark.slow),
+    ],
+)
+def test_grad_matches_central_difference(adjoint):
+    """`jax.grad` through the adaptive solve (the corrector, the error estimate and so the
+    step sizes), with respect to `args`, a closed-over parameter and `y0`, against central
+    differences of the solve; the chord iteration stops at a fraction of the tolerance,
+    which bounds the agreement."""
+    y0 = jnp.array([1.0, 0.5])
+    grad = jax.jit(jax.grad(_bdf_loss, argnums=(0, 1)), static_argnums=2)
+    g_p, g_y0 = grad(1.0, y0, adjoint)
+    eps = 1e-6
+    fd_p = (_bdf_loss(1.0 + eps, y0) - _bdf_loss(1.0 - eps, y0)) / (2 * eps)
+    fd_y0 = [
+        (_bdf_loss(1.0, y0 + eps * e) - _bdf_loss(1.0, y0 - eps * e)) / (2 * eps)
+        for e in jnp.eye(2)
+    ]
+    np.testing.assert_allclose(g_p, fd_p, rtol=1e-4)
+    np.testing.assert_allclose(g_y0, fd_y0, rtol=1e-4)
+
+
+@pytest.mark.slow  # ~10-20 s on 2 loaded cores: two compilations
+def test_forward_mode_matches_reverse():
+    """`jax.jvp` (with `diffrax.ForwardMode`; the default adjoint is reverse-only) takes
+    the same derivative as `jax.grad`, to rounding: both differentiate the corrector by
+    the implicit function theorem."""
+    y0 = jnp.array([1.0, 0.5])
+    g = jax.jit(jax.grad(_bdf_loss))(1.0, y0)
+    jvp = jax.jit(
+        lambda p: jax.jvp(lambda p: _bdf_loss(p, y0, diffrax.ForwardMode()), (p,), (1.0,))[1]
+    )(1.0)
+    np.testing.assert_allclose(jvp, g, rtol=1e-10)
+
+
+# The one gradient test of the default suite (~10 s on 2 loaded cores, its compilation).
+def test_grad_linear_exact():
+    """For y' = A y, the gradient of `w . y(T)` with respect to `y0` is `expm(A T)^T w`
+    and with respect to a scale `s` of A (y' = s A y) `w . A T expm(s A T) y0`: the
+    solve's gradients against them, to the tolerance."""
+    A = np.array([[-1.0, 1.0, 0.0], [0.0, -100.0, 50.0], [0.0, 0.0, -1e4]])
+    w = np.array([1.0, -2.0, 3.0])
+    y0 = np.array([1.0, 1.0, 1.0])
+
+    def loss(y0, s):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, s: s * (jnp.asarray(A) @ y)),
+            dl.BDF(),
+            0.0,
+            2.0,
+            1e-4,
+            y0,
+            args=s,
+            stepsize_controller=diffrax.PIDController(rtol=1e-9, atol=1e-12),
+        )
+        return jnp.dot(jnp.asarray(w), sol.ys[-1])
+
+    g_y0, g_s = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(y0), 1.0)
+    E = scipy.linalg.expm(2.0 * A)
+    np.testing.assert_allclose(g_y0, E.T @ w, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(g_s, w @ (2.0 * A) @ E @ y0, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.slow  # ~60 s on 2 loaded cores: three compilations of a vmapped gradient
+def test_vmap_grad_float32():
+    """`jax.vmap` of `jax.grad` against the gradients one by one, and in float32 against
+    float64 at the same tolerance."""
+    y0s = jnp.array([[1.0, 0.5], [0.8, 0.2]])
+    loss = functools.partial(_bdf_loss, rtol=1e-4)
+    g64 = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(1.0, y0s)
+    for i in range(2):
+        np.testing.assert_allclose(g64[i], jax.grad(loss)(1.0, y0s[i]), rtol=1e-10)
+    with jax.enable_x64(False):
+        g32 = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(
+            jnp.float32(1.0), y0s.astype(jnp.float32)
+        )
+        assert g32.dtype == jnp.float32
+    np.testing.assert_allclose(g32, g64, rtol=1e-3)
+
+
+def _allen_cahn(n):
+    def f(t, u, args):
+        p = jnp.pad(u, 1)
+        return args * (p[2:] - 2 * u + p[:-2]) * n**2 + u - u**3
+
+    return f, 0.5 * jnp.sin(jnp.linspace(0.0, 6.0, n))
+
+
+# ~20-45 s each on 2 loaded cores: a gradient's compilation and five solves.
+@pytest.mark.slow
+@pytest.mark.parametrize("structure", ["band", "sparse", "gmres"])
+def test_grad_structured_paths(structure):
+    """Gradients through the band, the sparse direct (reordered band) and the GMRES
+    paths, where the implicit function theorem's solve is made with the structured
+    Jacobian at the corrector: against central differences. The 16 x 16 Brusselator
+    (512 unknowns) takes GMRES; the 8 x 8 one with `dense_below=0` the reordered band."""
+    if structure == "band":
+        f, y0 = _allen_cahn(64)
+        t1, linear_solver = 0.1, dl.StructuredLinearSolver()
+    else:
+        from helpers import brusselator_2d
+
+        field, y0 = brusselator_2d(16 if structure == "gmres" else 8)
+        t1, linear_solver = 0.1, dl.StructuredLinearSolver(dense_below=0)
+
+        def f(t, y, args):
+            return args * field(y)
+
+    def loss(p):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(f),
+            dl.BDF(linear_solver=linear_solver),
+            0.0,
+            t1,
+            1e-4,
+            y0,
+            args=p,
+            stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-8),
+        )
+        return jnp.sum(jnp.sin(sol.ys[-1]))
+
+    p = 1e-2 if structure == "band" else 1.0
+    g = jax.jit(jax.grad(loss))(p)
+    eps = 1e-6 * p
+    fd = (loss(p + eps) - loss(p - eps)) / (2 * eps)
+    np.testing.assert_allclose(g, fd, rtol=1e-4)

@@ -2,11 +2,16 @@ import diffrax
 import diffrax_linearize as dl
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import numpy as np
 import pytest
 import scipy.integrate
 import scipy.linalg
-from helpers import assert_grad_matches_central_difference, assert_vmap_matches_jit
+from helpers import (
+    assert_grad_matches_central_difference,
+    assert_vmap_matches_jit,
+    brusselator_2d,
+)
 
 
 def _robertson(t, y, args):
@@ -339,3 +344,67 @@ def test_sde_error(solver):
     )
     with pytest.raises(TypeError, match=f"diffrax_linearize.{solver.__name__}"):
         diffrax.diffeqsolve(terms, solver(), 0.0, 1.0, 0.1, jnp.array(1.0))
+
+
+def _brusselator_solve(solver, t1=0.05, rtol=1e-6, atol=1e-8, p=1.0, dtype=jnp.float64):
+    """The 2 x 16 x 16 periodic Brusselator (512 unknowns: `StructuredLinearSolver` takes
+    GMRES), its vector field scaled by `p`."""
+    field, y0 = brusselator_2d(16)
+    controller = diffrax.PIDController(rtol=rtol, atol=atol)
+    return diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, args: args * field(y)),
+        solver,
+        0.0,
+        t1,
+        1e-4,
+        y0.astype(dtype),
+        args=jnp.asarray(p, dtype),
+        stepsize_controller=controller,
+    )
+
+
+@pytest.mark.slow  # ~12 s each on 2 loaded cores: three solves of 512 unknowns
+@pytest.mark.parametrize("solver", [dl.Rodas5P, dl.ROS34PW2])
+def test_gmres_tolerance_from_controller(solver):
+    """With the controller's `rtol` and `atol`, the GMRES stage solves stop at a fraction
+    of the step's error weights (and Rodas5P multiplies by `jax.jvp`): the solution is
+    still that of the exact stage solves (dense LU) to within the tolerance, and the
+    solve takes about as many steps."""
+    tight = _brusselator_solve(solver())
+    loose = _brusselator_solve(solver(rtol=1e-6, atol=1e-8))
+    exact = _brusselator_solve(solver(linear_solver=lx.LU()))
+    assert loose.result == diffrax.RESULTS.successful
+    np.testing.assert_allclose(tight.ys[-1], exact.ys[-1], rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(loose.ys[-1], exact.ys[-1], rtol=1e-6, atol=1e-8)
+    steps = int(exact.stats["num_steps"])
+    assert abs(int(loose.stats["num_steps"]) - steps) <= max(2, steps // 10)
+
+
+@pytest.mark.slow  # ~12-15 s each on 2 loaded cores
+@pytest.mark.parametrize("solver", [dl.Rodas5P, dl.ROS34PW2])
+def test_gmres_float32(solver):
+    """float32 on the GMRES path, with and without the controller's tolerances: against
+    the float64 solve."""
+    ref = _brusselator_solve(solver(), rtol=1e-4, atol=1e-6)
+    with jax.enable_x64(False):
+        for s in (solver(), solver(rtol=1e-4, atol=1e-6)):
+            sol = _brusselator_solve(s, rtol=1e-4, atol=1e-6, dtype=jnp.float32)
+            assert sol.result == diffrax.RESULTS.successful
+            assert sol.ys.dtype == jnp.float32
+            np.testing.assert_allclose(sol.ys[-1], ref.ys[-1], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.slow  # 30-60 s each on 2 loaded cores: a gradient's compilation at 512 unknowns
+@pytest.mark.parametrize(
+    "solver", [dl.Rodas5P(), dl.Rodas5P(rtol=1e-8, atol=1e-8), dl.ROS34PW2(rtol=1e-8, atol=1e-8)]
+)
+def test_grad_gmres(solver):
+    """`jax.grad` through the GMRES path (lineax differentiates the stage solves through
+    the materialised operator; the matrix-free product and the loose tolerance serve the
+    primal solve only): against central differences."""
+
+    def loss(p):
+        sol = _brusselator_solve(solver, t1=0.1, rtol=1e-8, atol=1e-8, p=p)
+        return jnp.sum(jnp.sin(sol.ys[-1]))
+
+    assert_grad_matches_central_difference(loss, 1.0, eps=1e-6, rtol=1e-5)

@@ -39,6 +39,7 @@ from .._linear_solver import (
 )
 from .._materialise import solver_operator
 from .._root_finder import VeryChord
+from .corrector import corrector, without_derivatives
 from .rosenbrock import _affine, _check_ode, _flat_increment
 
 
@@ -666,7 +667,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
             return self._chord(g, t1, y_predict, psi, alpha_q, solve, c, c_W, rate0, scale)
 
-        first = attempt(M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation, rate0)
+        first = without_derivatives(attempt, M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation, rate0)
         # A failure with an old Jacobian is retried here with a new one: Diffrax would
         # discard a new Jacobian made by a rejected step, with that step's state.
         retry = ~first[0] & ~refresh
@@ -679,10 +680,12 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             return (M_J, dM, h_J, c_J, t_J, y_J, c, factorisation), out
 
         jacobian = (M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation)
-        jacobian, (converged, iters, y1, d, rate) = jax.lax.cond(
-            retry, again, lambda: (jacobian, first)
+        jacobian, (converged, iters, y1, d, rate) = without_derivatives(
+            lambda: jax.lax.cond(retry, again, lambda: (jacobian, first))
         )
         M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation = jacobian
+        # Derivatives at the converged corrector, not through the chord iteration.
+        y1, d = corrector(y1, d, self.linear_solver, g, t1, y_predict, psi, alpha_q)
         iters = iters + jnp.where(retry, first[1], 0)
 
         error = error_const[q] * d

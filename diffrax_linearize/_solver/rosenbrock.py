@@ -19,7 +19,7 @@ import lineax as lx
 import numpy as np
 from diffrax import AbstractAdaptiveSolver, AbstractLocalInterpolation, RESULTS
 
-from .._linear_solver import StructuredLinearSolver
+from .._linear_solver import matrix_free, StructuredLinearSolver
 from .._materialise import solver_operator
 
 
@@ -325,6 +325,46 @@ def _stages(tab: _RodasTableau, g, solve, t0, h, flat0, dtype):
     return flat0 + _combine(tab.b, ks), _combine(tab.btilde, ks), g0, ks, result
 
 
+# The stage solves' tolerance on the GMRES path, in the error weights `atol + rtol |y0|`
+# of the step: GMRES stops at `linear_fraction` (0.05) of it. A Rosenbrock step has no
+# Newton iteration to absorb a linear solve's error, and its stages combine the increments
+# with coefficients up to ~150 (Rodas5P's `C`).
+_LINEAR_TOLERANCE = 1e-2
+
+
+def _stage_solver(solver, W, state, g, t0, flat0, gamma, exact: bool):
+    """`solve(b)`, the stage solves with `W = I/gamma - dg/dy` (materialised; its
+    factorisation or GMRES state `state`). On the GMRES path, with the solver's `rtol`
+    and `atol` (the step-size controller's), GMRES stops at a fraction of the step's
+    error weights rather than at `StructuredLinearSolver`'s 1e-10; where `W` is the exact
+    Jacobian's (`exact`), it multiplies by `W` with `jax.jvp` of the vector field, a pass
+    over the state where the materialised operator's product gathers every entry."""
+    dtype = flat0.dtype
+    if exact:
+        # Without derivatives, as the factorisation: lineax differentiates the solve
+        # through `W`, not through its state.
+        t, y = jax.lax.stop_gradient((t0, flat0))
+
+        def mv(v):
+            _, jv = jax.jvp(lambda z: g(t, z), (y,), (v,))
+            return v / gamma - jv
+
+        state = matrix_free(state, mv, W)
+    options = {}
+    if solver.rtol is not None:
+        with jax.numpy_dtype_promotion("standard"):
+            scale = (solver.atol + solver.rtol * jnp.abs(flat0)).astype(dtype)
+        tolerance = jnp.asarray(_LINEAR_TOLERANCE, dtype)
+        options = jax.lax.stop_gradient(dict(scale=scale, tolerance=tolerance))
+
+    def solve(b):
+        return lx.linear_solve(
+            W, b, solver.linear_solver, options=options, state=state, throw=False
+        )
+
+    return solve
+
+
 class AbstractRodas(AbstractAdaptiveSolver):
     r"""A stiffly accurate Rosenbrock method of the Rodas family, given by its tableau.
 
@@ -345,6 +385,8 @@ class AbstractRodas(AbstractAdaptiveSolver):
     """
 
     linear_solver: eqx.AbstractVar[lx.AbstractLinearSolver]
+    rtol: eqx.AbstractVar[float | None]
+    atol: eqx.AbstractVar[float | None]
     tableau: AbstractClassVar[_RodasTableau]
 
     term_structure: ClassVar = diffrax.AbstractTerm
@@ -384,10 +426,7 @@ class AbstractRodas(AbstractAdaptiveSolver):
         gamma = tab.gamma
         W = solver_operator(lambda y, _: y / gamma - g(t0, y), flat0, None)
         state = self.linear_solver.init(W, {})
-
-        def solve(b):
-            return lx.linear_solve(W, b, self.linear_solver, state=state, throw=False)
-
+        solve = _stage_solver(self, W, state, g, t0, flat0, gamma, exact=True)
         flat1, error, _, ks, result = _stages(tab, g, solve, t0, h, flat0, dtype)
         k = jnp.stack(ks)
         q = jnp.asarray(tab.H, dtype) @ k
@@ -430,6 +469,12 @@ class Rodas5P(AbstractRodas):
 
     - `linear_solver`: the `lineax` solver that factors $W$;
         [`diffrax_linearize.StructuredLinearSolver`][] by default.
+    - `rtol`, `atol`: the step-size controller's tolerances, for the GMRES path of
+        [`diffrax_linearize.StructuredLinearSolver`][] only: its stage solves then stop
+        when the root mean square of the residual over `atol + rtol |y0|` is below
+        `linear_fraction` (0.05) times 1e-2, rather than at GMRES's own 1e-10 (no finer
+        than the dtype resolves). `None` (the default) keeps 1e-10. A Rosenbrock solver
+        has no root finder through which `diffrax.diffeqsolve` could pass them.
 
     ```python
     import diffrax
@@ -453,6 +498,8 @@ class Rodas5P(AbstractRodas):
     """
 
     linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
+    rtol: float | None = None
+    atol: float | None = None
     tableau: ClassVar[_RodasTableau] = _rodas5p()
 
 
@@ -478,6 +525,12 @@ class Rodas4P(AbstractRodas):
 
     - `linear_solver`: the `lineax` solver that factors $W$;
         [`diffrax_linearize.StructuredLinearSolver`][] by default.
+    - `rtol`, `atol`: the step-size controller's tolerances, for the GMRES path of
+        [`diffrax_linearize.StructuredLinearSolver`][] only: its stage solves then stop
+        when the root mean square of the residual over `atol + rtol |y0|` is below
+        `linear_fraction` (0.05) times 1e-2, rather than at GMRES's own 1e-10 (no finer
+        than the dtype resolves). `None` (the default) keeps 1e-10. A Rosenbrock solver
+        has no root finder through which `diffrax.diffeqsolve` could pass them.
 
     ```python
     import diffrax
@@ -501,6 +554,8 @@ class Rodas4P(AbstractRodas):
     """
 
     linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
+    rtol: float | None = None
+    atol: float | None = None
     tableau: ClassVar[_RodasTableau] = _RODAS4P
 
 
@@ -609,6 +664,8 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
     """
 
     linear_solver: eqx.AbstractVar[lx.AbstractLinearSolver]
+    rtol: eqx.AbstractVar[float | None]
+    atol: eqx.AbstractVar[float | None]
     jacobian_every: eqx.AbstractVar[int]
     refactor_ratio: eqx.AbstractVar[float]
     tableau: AbstractClassVar[_RodasTableau]
@@ -693,9 +750,7 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         refactor = refresh | (h != st.h_W)
         factorisation = jax.lax.cond(refactor, lambda: self._factor(W), lambda: st.factorisation)
 
-        def solve(b):
-            return lx.linear_solve(W, b, self.linear_solver, state=factorisation, throw=False)
-
+        solve = _stage_solver(self, W, factorisation, g, t0, flat0, tab.gamma, exact=False)
         flat1, error, g0, _, result = _stages(tab, g, solve, t0, h, flat0, dtype)
         y1 = unravel(flat1)
         g1 = g(t0 + h, flat1)
@@ -736,6 +791,12 @@ class ROS34PW2(AbstractRosenbrockW):
 
     - `linear_solver`: the `lineax` solver that factors $W$;
         [`diffrax_linearize.StructuredLinearSolver`][] by default.
+    - `rtol`, `atol`: the step-size controller's tolerances, for the GMRES path of
+        [`diffrax_linearize.StructuredLinearSolver`][] only: its stage solves then stop
+        when the root mean square of the residual over `atol + rtol |y0|` is below
+        `linear_fraction` (0.05) times 1e-2, rather than at GMRES's own 1e-10 (no finer
+        than the dtype resolves). `None` (the default) keeps 1e-10. A Rosenbrock solver
+        has no root finder through which `diffrax.diffeqsolve` could pass them.
     - `jacobian_every`: the most steps one Jacobian serves; 20 by default, CVODE's
         interval between linear-solver setups (`MSBP`): a W-method keeps its order
         with any Jacobian, so this bounds only how far stability and the error
@@ -767,6 +828,8 @@ class ROS34PW2(AbstractRosenbrockW):
     """
 
     linear_solver: lx.AbstractLinearSolver = StructuredLinearSolver()
+    rtol: float | None = None
+    atol: float | None = None
     jacobian_every: int = 20
     refactor_ratio: float = 2.0
     tableau: ClassVar[_RodasTableau] = _ROS34PW2
