@@ -248,3 +248,28 @@ def test_bdf_matrix_free(monkeypatch):
     assert abs(iterations(free) - iterations(lu)) <= 3
     scale = atol + rtol * jnp.abs(lu.ys[-1])
     assert float(jnp.max(jnp.abs(free.ys[-1] - lu.ys[-1]) / scale)) < 1
+
+
+def test_bdf_gmres_refreshes_carry_exact_diagonals(monkeypatch):
+    # On the GMRES path a refreshed Jacobian is read as its diagonal only: the carried
+    # M_J = I - c_J J and dM = -h_J J at (t_J, y_J) have exactly jax.jacfwd's diagonals,
+    # after steps that refreshed it (a Jacobian every step).
+    monkeypatch.setattr(_linear_solver, "_DIRECT_FLOPS", 0)
+    field, y0 = brusselator_2d(10)
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, args: field(y)),
+        dl.BDF(max_order=5, variable_order=True, jacobian_every=1),
+        0.0,
+        0.05,
+        None,
+        y0,
+        stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
+        saveat=diffrax.SaveAt(t1=True, solver_state=True),
+    )
+    st = sol.solver_state
+    assert isinstance(st.M_J, lx.DiagonalLinearOperator)
+    assert int(st.num_jacobians) > 3
+    assert float(st.t_J) > 0  # refreshed in a step, not the one of `init`
+    J = jnp.diagonal(jax.jacfwd(field)(st.y_J))
+    np.testing.assert_allclose(lx.diagonal(st.M_J), 1 - st.c_J * J, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(lx.diagonal(st.dM), -st.h_J * J, rtol=1e-13, atol=1e-15)

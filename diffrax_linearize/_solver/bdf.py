@@ -30,6 +30,7 @@ from diffrax import (
     RESULTS,
 )
 
+from .._diagonal import jacobian_diagonal
 from .._linear_solver import (
     detach,
     is_detached,
@@ -385,6 +386,15 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
         return eqx.filter_jvp(M_of, (s,), (jnp.ones_like(s),))
 
+    @staticmethod
+    def _jacobian_diagonals(g, t, y, s):
+        # The diagonals of `_jacobian`'s I - s dg/dy and of its derivative in s.
+        dg = jacobian_diagonal(lambda z: g(t, z), y)
+        return (
+            lx.DiagonalLinearOperator(1 - s.astype(dg.dtype) * dg),
+            lx.DiagonalLinearOperator(-dg),
+        )
+
     def _factor(self, M, like=None):
         # GMRES's state is carried without its operator: `attempt` multiplies by its own.
         # Its Jacobi preconditioner is remade from M's diagonal (`like`: the state it
@@ -616,8 +626,12 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             scale = (atol + rtol * jnp.abs(y_predict)).astype(dtype)
 
         def fresh_jacobian():
-            M_J, dM = self._jacobian(g, t1, y_predict, 1 / alpha_q)
-            M_J, dM = self._carried(M_J, dM, st.factorisation)
+            if is_detached(st.factorisation):
+                # GMRES's path carries only the diagonals (`_carried`): read them off the
+                # structure engine's blocks, without materialising every entry of J.
+                M_J, dM = self._jacobian_diagonals(g, t1, y_predict, 1 / alpha_q)
+            else:
+                M_J, dM = self._jacobian(g, t1, y_predict, 1 / alpha_q)
             return M_J, dM, h, c, jnp.asarray(t1).astype(dtype), y_predict
 
         refresh = made_jump | st.slow | (st.jacobian_age >= self.jacobian_every)
