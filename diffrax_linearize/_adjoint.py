@@ -778,6 +778,16 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
     accumulated parameter gradients). Tested against `diffrax.RecursiveCheckpointAdjoint`
     through the same adaptive forward solve.
 
+    **Stiff ODEs** cannot be differentiated by a backsolve adjoint, with any solver: the
+    backward solve recomputes the state backwards in time, where the modes that decay
+    fast forwards grow, so it runs out of steps, or (an L-stable solver damping those
+    modes) ends far from the forward solution with wrong gradients and no error, as
+    `diffrax.BacksolveAdjoint` does. Here both raise an error (with `throw=True`, the
+    default) that says to use `diffrax.RecursiveCheckpointAdjoint`: running out of steps,
+    and, for ODEs with an adaptive step-size controller, a recomputed state more than
+    $10^3$ of the controller's tolerances from the forward solve's at `t0` or at a save
+    time.
+
     Gradients are with respect to `y0`, `args` and `terms`; anything else (`t0`, values
     closed over) raises JAX's `CustomVJPException`, as for Diffrax's.
     """
