@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import diffrax
 import equinox as eqx
 import jax
+import jax.flatten_util as jfu
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -483,6 +484,62 @@ def _materialise_none(y, grad_y):
     return grad_y
 
 
+_OUT_OF_STEPS = (
+    f"`{_API}`: the backward solve reached `max_steps`. On a stiff ODE no number of "
+    "steps is enough: the backward solve recomputes the state backwards in time, where "
+    "the modes that decay fast forwards (an eigenvalue -lambda of the Jacobian) grow as "
+    "exp(lambda |t|), whatever the solver (`diffrax.Kvaerno5` as "
+    "`diffrax_linearize.BDF`). Differentiate a stiff solve with "
+    "`adjoint=diffrax.RecursiveCheckpointAdjoint()` (the default) or "
+    "`diffrax.DirectAdjoint()`; if the ODE is not stiff, raise "
+    f"`{_API}(max_steps=...)`."
+)
+
+
+# How far, in units of the controller's tolerance, the state recomputed by a segment of
+# the backward solve may end from the forward solve's (at `t0` or a save time). On a
+# non-stiff ODE it ends a few tolerances away (the global errors of the two solves: 6 and
+# 14 on a 3-unknown linear ODE at rtol 1e-6, `diffrax_linearize.BDF` and `ROS34PW2`); on
+# a stiff ODE the state's fast modes, which grow backwards in time, are lost (an L-stable
+# solver damps them) and it ends O(1) away (3e5 tolerances with an eigenvalue -1000),
+# with gradients wrong by as much, and no error from the solve.
+_RECOMPUTED_TOLERANCES = 1e3
+
+_NOT_RECOMPUTED = (
+    f"`{_API}`: the state recomputed by the backward solve ends far from the forward "
+    "solve's (at `t0` or a save time; more than "
+    f"{_RECOMPUTED_TOLERANCES:g} times the step-size controller's tolerance), so the "
+    "gradients would be wrong. On a stiff ODE this is expected: the backward solve "
+    "recomputes the state backwards in time, where its fast decaying modes grow, "
+    "whatever the solver. Differentiate a stiff solve with "
+    "`adjoint=diffrax.RecursiveCheckpointAdjoint()` (the default) or "
+    "`diffrax.DirectAdjoint()`."
+)
+
+
+def _recomputed_distance(controller):
+    """The function `(y_back, y) -> ` the RMS distance of the recomputed state `y_back`
+    from the forward solve's `y` in units of `controller`'s tolerances, or `None` when
+    it has none (constant steps)."""
+    rtol, atol = getattr(controller, "rtol", None), getattr(controller, "atol", None)
+    if rtol is None or atol is None:
+        return None
+
+    def distance(y_back, y):
+        flat_back, _ = jfu.ravel_pytree(y_back)
+        flat, _ = jfu.ravel_pytree(y)
+        with jax.numpy_dtype_promotion("standard"):
+            scale = atol + rtol * jnp.abs(flat)
+            return jnp.sqrt(jnp.mean(((flat_back - flat) / scale) ** 2))
+
+    return distance
+
+
+def _check_backward(sol):
+    sol = eqx.error_if(sol, sol.result == diffrax.RESULTS.max_steps_reached, _OUT_OF_STEPS)
+    return sol.result.error_if(sol, jnp.invert(diffrax.is_okay(sol.result)))
+
+
 @_loop_backsolve.def_bwd
 def _loop_backsolve_bwd(
     residuals,
@@ -523,6 +580,9 @@ def _loop_backsolve_bwd(
         throw=throw,
     )
     solve_kwargs.update({k: v for k, v in self.kwargs.items() if k != "solver"})
+    # The backward solve's failures are raised below, where running out of steps gets
+    # its own message: Diffrax's ("increase `max_steps`") misleads on stiff ODEs.
+    throw = solve_kwargs.pop("throw")
     # Solved forwards in s = -t (see `_TimeReversed`): the step-size controller reversed
     # as `diffrax.diffeqsolve` would for decreasing times, and `dt0` (negative, as for a
     # solve from t1 to t0) made positive.
@@ -532,10 +592,19 @@ def _loop_backsolve_bwd(
         dt0=None if solve_kwargs["dt0"] is None else -solve_kwargs["dt0"],
     )
     saveat_t0 = saveat.subs.t0
+    # Each segment recomputes the state from the forward solve's value at its start, and
+    # must end near the forward solve's value at its end (see `_NOT_RECOMPUTED`): checked
+    # for ODEs only, as an SDE's backward solve recomputes its state only to the solver's
+    # strong order.
+    distance = None
+    if throw and not is_sde(terms):
+        distance = _recomputed_distance(solve_kwargs["stepsize_controller"])
 
     def scan_fun(state, vals, first=False):
         _t1, _t0, _y0, _grad_y0 = vals
-        (a_y0, a_args0, a_terms0), solver_state, controller_state = state
+        (y_back, furthest, a_y0, a_args0, a_terms0), solver_state, controller_state = state
+        if distance is not None and not first:
+            furthest = jnp.maximum(furthest, distance(y_back, _y0))
         with jax.numpy_dtype_promotion("standard"):
             a_y0 = jtu.tree_map(jnp.add, a_y0, _grad_y0)
         sol = diffrax.diffeqsolve(
@@ -546,12 +615,17 @@ def _loop_backsolve_bwd(
             controller_state=controller_state,
             made_jump=not first,  # adding _grad_y0, above, is a jump
             saveat=diffrax.SaveAt(t1=True, solver_state=True, controller_state=True),
+            throw=False,
             **solve_kwargs,
         )
-        _, a_y1, a_args1, a_terms1 = jtu.tree_map(lambda x: x[0], sol.ys)
-        return ((a_y1, a_args1, a_terms1), sol.solver_state, sol.controller_state), None
+        if throw:
+            sol = _check_backward(sol)
+        y1, a_y1, a_args1, a_terms1 = jtu.tree_map(lambda x: x[0], sol.ys)
+        adjoint_state = (y1, furthest, a_y1, a_args1, a_terms1)
+        return (adjoint_state, sol.solver_state, sol.controller_state), None
 
-    zeros = jtu.tree_map(jnp.zeros_like, (y, diff_args, diff_terms))
+    furthest = jnp.zeros((), jnp.result_type(*jtu.tree_leaves(y)))
+    zeros = jtu.tree_map(jnp.zeros_like, (y, furthest, y, diff_args, diff_terms))
     state = (zeros, None, None)
     last = lambda tree, i: jtu.tree_map(lambda x: x[i], tree)
     segment = lambda tree, lo, hi: jtu.tree_map(lambda x: x[lo:hi], tree)
@@ -566,7 +640,7 @@ def _loop_backsolve_bwd(
             state, _ = lax.scan(scan_fun, state, vals, reverse=True)
         elif len(ts) == 2:
             state, _ = scan_fun(state, (ts[0], ts[1], last(ys, 1), last(grad_ys, 1)), True)
-        (a_y1, a_args1, a_terms1), _, _ = state
+        (y_back, furthest, a_y1, a_args1, a_terms1), _, _ = state
         with jax.numpy_dtype_promotion("standard"):
             a_y1 = jtu.tree_map(jnp.add, a_y1, last(grad_ys, 0))
     else:
@@ -582,7 +656,12 @@ def _loop_backsolve_bwd(
             state, _ = lax.scan(scan_fun, state, vals, reverse=True)
         else:
             state, _ = scan_fun(state, (t0, ts[0], last(ys, 0), last(grad_ys, 0)), True)
-        (a_y1, a_args1, a_terms1), _, _ = state
+        (y_back, furthest, a_y1, a_args1, a_terms1), _, _ = state
+    if distance is not None and (len(ts) > 1 or not saveat_t0):
+        furthest = jnp.maximum(furthest, distance(y_back, y))
+        # On all the cotangents: a gradient with respect to `args` alone reads no other.
+        too_far = ~(furthest <= _RECOMPUTED_TOLERANCES)
+        return eqx.error_if((a_y1, a_args1, a_terms1), too_far, _NOT_RECOMPUTED)
     return a_y1, a_args1, a_terms1
 
 
@@ -698,6 +777,16 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
     estimate covers the whole augmented state (the state, its adjoint and the
     accumulated parameter gradients). Tested against `diffrax.RecursiveCheckpointAdjoint`
     through the same adaptive forward solve.
+
+    **Stiff ODEs** cannot be differentiated by a backsolve adjoint, with any solver: the
+    backward solve recomputes the state backwards in time, where the modes that decay
+    fast forwards grow, so it runs out of steps, or (an L-stable solver damping those
+    modes) ends far from the forward solution with wrong gradients and no error, as
+    `diffrax.BacksolveAdjoint` does. Here both raise an error (with `throw=True`, the
+    default) that says to use `diffrax.RecursiveCheckpointAdjoint`: running out of steps,
+    and, for ODEs with an adaptive step-size controller, a recomputed state more than
+    $10^3$ of the controller's tolerances from the forward solve's at `t0` or at a save
+    time.
 
     Gradients are with respect to `y0`, `args` and `terms`; anything else (`t0`, values
     closed over) raises JAX's `CustomVJPException`, as for Diffrax's.
