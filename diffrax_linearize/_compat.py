@@ -19,6 +19,7 @@ from diffrax._step_size_controller.pid import _select_initial_step
 from equinox.internal import prevbefore as prevbefore
 from jax.extend.core import primitives as _prims
 from jax.interpreters import ad as ad, batching as batching, mlir as mlir
+from optimistix.internal import implicit_jvp as implicit_jvp
 
 
 # Diffrax 0.7.2's own custom-VJP helpers, reused by the backsolve adjoint so that its
@@ -31,6 +32,9 @@ select_initial_step = _select_initial_step
 # Diffrax 0.7.2's rounding of a step's end to `t1`, reused by the refilling ensemble loop
 # (`_refill.py`) so that its steps are exactly `diffeqsolve`'s.
 clip_to_end = _clip_to_end
+# `implicit_jvp` (above): optimistix's implicit-function-theorem JVP, the piece behind
+# Diffrax's implicit solvers' `ImplicitAdjoint`, reused for `BDF`'s corrector
+# (`_solver/corrector.py`).
 
 
 Jaxpr = jex_core.Jaxpr

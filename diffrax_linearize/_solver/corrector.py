@@ -14,8 +14,8 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import lineax as lx
-import optimistix as optx
 
+from .._compat import implicit_jvp
 from .._materialise import solver_operator
 
 
@@ -74,7 +74,7 @@ def corrector(y, d, linear_solver, g, t1, y_predict, psi, alpha_q):
     )
     solver = _StructuredJacobian(linear_solver)
     inputs = (y_star, residual)
-    y, _ = optx.internal.implicit_jvp(_primal, _residual, inputs, frozenset(), solver)
+    y, _ = implicit_jvp(_primal, _residual, inputs, frozenset(), solver)
     return y, _correction(jax.lax.stop_gradient(d), y, y_predict)
 
 
