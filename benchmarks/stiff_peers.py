@@ -31,8 +31,9 @@ N in {1, 100} and the 16 x 16 Brusselator at rtol 1e-6; it writes `stiff_peers_q
 `benchmarks/results/quick/` (or `$DIFFRAX_LINEARIZE_RESULTS`), the full sweep `stiff_peers-*`.
 CVODE's GMRES (no preconditioner) runs on the Brusselator only. A contender slower than
 `slow_s` at one tolerance is skipped at the tighter ones, with a row saying so. The
-contenders of one case and tolerance are timed interleaved (A B C A B C ..., up to three
-rounds, a contender stopping after 20 s of timed solves): times in the table are each
+contenders of one case and tolerance are timed interleaved (A B C A B C ...: three rounds
+and at least 0.5 s of timed solves each, so that a solve of 50 ms is timed ten times rather
+than three; a contender stops after 20 s of timed solves): times in the table are each
 contender's fastest run, with how far its median lay above it; ratios are ours / this
 contender's, by fastest runs, same case. Ours and Diffrax's are compiled once per case,
 the tolerances being arguments of the compiled solve (`compile_s` is that one compile).
@@ -639,8 +640,8 @@ def _run_case(
 ):
     """Every contender in `methods` at every rtol: a row with its time and digits, or a row
     with a note (not installed, failed, skipped); `skip` maps contenders not run to the reason.
-    The contenders of one rtol are timed interleaved (`time_round_robin`: up to three rounds,
-    a contender stopping after 20 s of timed solves)."""
+    The contenders of one rtol are timed interleaved (`time_round_robin`: three rounds and at
+    least 0.5 s of timed solves each, a contender stopping after 20 s)."""
     rows, too_slow, skip = [], set(), skip or {}
     compiled = {}  # one compile per contender, for every tolerance
     for rtol in rtols:
@@ -706,7 +707,7 @@ def _round_robin(ready, notes):
     others are timed again without them."""
     calls = {method: call for method, (call, _) in ready.items()}
     try:
-        return time_round_robin(calls, repeats=3, max_time=20.0, warmup=False)
+        return time_round_robin(calls, repeats=3, min_time=0.5, max_time=20.0, warmup=False)
     except Exception:
         failed = []
         for method, call in calls.items():
