@@ -205,6 +205,19 @@ def _givens(a, b):
     return c, s.astype(jnp.result_type(a)), jnp.where(zero_a, b, phase * r)
 
 
+def _row(a, i):
+    # `a[i]` for an index known to be in bounds: `lax.dynamic_index_in_dim` skips the
+    # wrapping of negative indices that `a[i]` makes (a small operation of its own, in a
+    # loop where each costs an overhead on XLA's CPU backend).
+    return lax.dynamic_index_in_dim(a, i, keepdims=False)
+
+
+def _set_row(a, i, row):
+    # `a.at[i].set(row)` for an index known to be in bounds: one in-place update, where
+    # `.at[].set` adds the check and selection that drop an out-of-bounds write.
+    return lax.dynamic_update_index_in_dim(a, row, i, 0)
+
+
 # The basis of GMRES's first cycle (see `_gmres`).
 _FIRST_CYCLE = 5
 
@@ -239,7 +252,7 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
 
     def cycle(m, v0, r, beta, iters):
         idx = jnp.arange(m + 1)
-        V = jnp.zeros((m + 1, n), dtype).at[0].set(r / beta.astype(dtype))
+        V = _set_row(jnp.zeros((m + 1, n), dtype), 0, r / beta.astype(dtype))
         R = jnp.zeros((m + 1, m), dtype)
         Q = jnp.eye(m + 1, dtype=dtype)
 
@@ -249,12 +262,13 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
 
         def body(carry):
             j, V, R, Q, _ = carry
-            w = mv(V[j])
+            w = mv(_row(V, j))
 
             def orthogonalise(i, carry):
                 w, h = carry
-                hij = jnp.vdot(V[i], w)
-                return w - hij * V[i], jnp.where(idx == i, hij, h)
+                v_i = _row(V, i)
+                hij = jnp.vdot(v_i, w)
+                return w - hij * v_i, jnp.where(idx == i, hij, h)
 
             w, h = lax.fori_loop(0, j + 1, orthogonalise, (w, jnp.zeros((m + 1,), dtype)))
             h_next = jnp.linalg.norm(w)
@@ -263,15 +277,16 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
             # a pass over the long vector.
             w_norm = jnp.sqrt(jnp.sum(jnp.abs(h) ** 2) + h_next**2)
             breakdown = h_next <= jnp.finfo(beta.dtype).eps * w_norm
-            V = V.at[j + 1].set(jnp.where(breakdown, 0, w / jnp.where(breakdown, 1, h_next)))
+            V = _set_row(V, j + 1, jnp.where(breakdown, 0, w / jnp.where(breakdown, 1, h_next)))
             h = jnp.where(idx == j + 1, h_next.astype(dtype), h)
             # The rotations so far (rows 0 to j of Q; row j + 1 is still the identity's).
             h = jnp.matmul(Q, h, precision=lax.Precision.HIGHEST)
             c, s, rjj = _givens(h[j], h[j + 1])
             h = jnp.where(idx == j, rjj, jnp.where(idx == j + 1, 0, h))
-            q_j, q_next = Q[j], Q[j + 1]
-            Q = Q.at[j].set(c * q_j + s * q_next).at[j + 1].set(c * q_next - jnp.conj(s) * q_j)
-            R = R.at[:, j].set(h)
+            q_j, q_next = _row(Q, j), _row(Q, j + 1)
+            Q = _set_row(Q, j, c * q_j + s * q_next)
+            Q = _set_row(Q, j + 1, c * q_next - jnp.conj(s) * q_j)
+            R = lax.dynamic_update_index_in_dim(R, h, j, 1)
             done = breakdown | (jnp.abs(beta * Q[j + 1, 0]) <= tol2)
             return j + 1, V, R, Q, done
 
@@ -284,7 +299,7 @@ def _gmres(mv, b, target, restart: int, max_iters: int):
         y = jax.scipy.linalg.solve_triangular(R, jnp.where(used, g, 0), lower=False)
         # The `j` vectors of the basis made, one pass each (a product with the whole
         # basis would read all `m + 1`).
-        v = lax.fori_loop(0, j, lambda i, v: v + y[i] * V[i], v0)
+        v = lax.fori_loop(0, j, lambda i, v: v + y[i] * _row(V, i), v0)
         return v, j, jnp.abs(beta * Q[j, 0]).astype(beta.dtype)
 
     m_first = min(_FIRST_CYCLE, restart, n)
