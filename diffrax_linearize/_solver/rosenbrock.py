@@ -381,7 +381,9 @@ class AbstractRodas(AbstractAdaptiveSolver):
 
     For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
     float32 or float64 (it is flattened with `jax.flatten_util.ravel_pytree`; a single
-    array keeps its Jacobian's structure).
+    array keeps its Jacobian's structure), or of complex ones: the Jacobian is then the
+    complex one `jax.jacfwd(..., holomorphic=True)` gives, exact for a vector field
+    holomorphic in $y$ (for another, an approximation that costs the order).
     """
 
     linear_solver: eqx.AbstractVar[lx.AbstractLinearSolver]
@@ -422,9 +424,12 @@ class AbstractRodas(AbstractAdaptiveSolver):
             return out_flat.astype(dtype)
 
         # W = I/gamma - h J as one materialised operator: the structure engine sees the
-        # identity, so W keeps J's block, band or sparsity pattern (with its diagonal).
+        # identity, so W keeps J's block, band or sparsity pattern (with its diagonal). A
+        # complex state's J is the complex Jacobian, as Diffrax's implicit solvers take.
         gamma = tab.gamma
-        W = solver_operator(lambda y, _: y / gamma - g(t0, y), flat0, None)
+        W = solver_operator(
+            lambda y, _: y / gamma - g(t0, y), flat0, None, holomorphic=jnp.iscomplexobj(flat0)
+        )
         state = self.linear_solver.init(W, {})
         solve = _stage_solver(self, W, state, g, t0, flat0, gamma, exact=True)
         flat1, error, _, ks, result = _stages(tab, g, solve, t0, h, flat0, dtype)
@@ -463,7 +468,9 @@ class Rodas5P(AbstractRodas):
 
     For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
     float32 or float64 (it is flattened with `jax.flatten_util.ravel_pytree`; a single
-    array keeps its Jacobian's structure).
+    array keeps its Jacobian's structure), or of complex ones: the Jacobian is then the
+    complex one `jax.jacfwd(..., holomorphic=True)` gives, exact for a vector field
+    holomorphic in $y$ (for another, an approximation that costs the order).
 
     **Arguments:**
 
@@ -660,7 +667,9 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
     branches, so every step then pays for a Jacobian and a factorisation.
     Dense output is the cubic Hermite interpolant, one extra evaluation of $f$ per step.
 
-    For ODEs only (one `diffrax.ODETerm`), any pytree of real arrays, float32 or float64.
+    For ODEs only (one `diffrax.ODETerm`), any pytree of real arrays, float32 or float64,
+    or of complex ones (the Jacobian is then the complex one, as for
+    [`diffrax_linearize.Rodas5P`][]; the order holds with it whatever the vector field).
     """
 
     linear_solver: eqx.AbstractVar[lx.AbstractLinearSolver]
@@ -699,7 +708,12 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         one = jnp.ones((), flat0.dtype)
 
         def W_of(s):
-            return solver_operator(lambda y, _: y / gamma - s * g(t0, y), flat0, None)
+            return solver_operator(
+                lambda y, _: y / gamma - s * g(t0, y),
+                flat0,
+                None,
+                holomorphic=jnp.iscomplexobj(flat0),
+            )
 
         return eqx.filter_jvp(W_of, (one,), (one,))
 
