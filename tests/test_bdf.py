@@ -284,14 +284,26 @@ _A_STRICT = np.array([[-1.0, 0.5], [0.2, -2.0]])
 def test_strict_promotion():
     """Under JAX's strict dtype and rank promotion, as Diffrax's own tests run (found by
     `tests/diffrax_suite.py --stiff`: integer arrays met float and int32 ones in the step
-    size's rescaling and the order's choice, and raised): the fixed order of 1 with
-    constant steps is backward Euler, $(I - h A)^{-n} y_0$ on a linear system, and the
-    variable order reaches `expm`'s solution."""
+    size's rescaling and the order's choice, and a float64 coefficient met a float32
+    step): the fixed order of 1 with constant steps is backward Euler,
+    $(I - h A)^{-n} y_0$ on a linear system, in float64 and float32, and the variable
+    order reaches `expm`'s solution."""
     y0 = jnp.array([1.0, 2.0])
-    term = diffrax.ODETerm(lambda t, y, args: jnp.asarray(_A_STRICT) @ y)
+
+    def f(t, y, args):
+        return jnp.asarray(_A_STRICT, y.dtype) @ y
+
+    term = diffrax.ODETerm(f)
+    euler_solver = dl.BDF(max_order=1, ndf=False, root_finder=_TIGHT)
     with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
-        euler = diffrax.diffeqsolve(
-            term, dl.BDF(max_order=1, ndf=False, root_finder=_TIGHT), 0, 2, 0.25, y0
+        euler = diffrax.diffeqsolve(term, euler_solver, 0, 2, 0.25, y0)
+        euler32 = diffrax.diffeqsolve(
+            term,
+            eqx.tree_at(
+                lambda s: s.root_finder, euler_solver, dl.VeryChord(1e-6, 1e-6, optx.rms_norm)
+            ),
+            *(jnp.asarray(t, jnp.float32) for t in (0, 2, 0.25)),
+            y0.astype(jnp.float32),
         )
         variable = diffrax.diffeqsolve(
             term,
@@ -305,6 +317,8 @@ def test_strict_promotion():
     step = np.linalg.inv(np.eye(2) - 0.25 * _A_STRICT)
     ref = np.linalg.matrix_power(step, 8) @ np.asarray(y0)
     np.testing.assert_allclose(euler.ys[-1], ref, rtol=1e-10)
+    assert euler32.ys.dtype == jnp.float32
+    np.testing.assert_allclose(euler32.ys[-1], ref, rtol=1e-5)
     np.testing.assert_allclose(
         variable.ys[-1], scipy.linalg.expm(2 * _A_STRICT) @ np.asarray(y0), rtol=1e-6
     )

@@ -439,7 +439,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             )
         h = (jnp.asarray(t1) - t0).astype(dtype)
         _, alpha, _ = _coefficients(self.ndf)
-        c = h / alpha[1]
+        c = h / jnp.asarray(alpha[1], dtype)
         M_J, dM = self._jacobian(g, t0, flat0, jnp.asarray(1 / alpha[1], dtype))
         factorisation = self._factor(M_J)
         M_J, dM = self._carried(M_J, dM, factorisation)
