@@ -1,5 +1,6 @@
 import diffrax
 import diffrax_linearize as dl
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
@@ -353,6 +354,25 @@ def test_complex_state(solver):
 
     ref = scipy.integrate.solve_ivp(f, (0, t1), np.asarray(y0), "DOP853", rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(z1, ref.y[:, -1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("solver", [dl.Rodas5P, dl.ROS34PW2])
+@pytest.mark.parametrize("y0", [None, jnp.zeros((0, 3))])
+def test_empty_state(solver, y0):
+    """A state with no entries, which Diffrax's `test_basic` solves with every solver that
+    is not implicit (found by `tests/diffrax_suite.py --stiff`; it raised in the linear
+    solver or the W-method's update before): the solve goes through, as `diffrax.Tsit5`'s
+    does, with the same (empty) solution and dense output."""
+    term = diffrax.ODETerm(lambda t, y, args: jax.tree_util.tree_map(jnp.negative, y))
+    kwargs = dict(
+        stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-8),
+        saveat=diffrax.SaveAt(t1=True, dense=True),
+    )
+    sol = diffrax.diffeqsolve(term, solver(), 0.0, 1.0, 0.1, y0, **kwargs)
+    ref = diffrax.diffeqsolve(term, diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, **kwargs)
+    assert sol.result == diffrax.RESULTS.successful
+    assert eqx.tree_equal(sol.ys, ref.ys)
+    assert eqx.tree_equal(sol.evaluate(0.5), ref.evaluate(0.5))
 
 
 @pytest.mark.parametrize("solver", [dl.Rodas5P, dl.Rodas4P])

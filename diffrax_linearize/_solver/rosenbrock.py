@@ -292,6 +292,14 @@ def _combine(coefficients, ks):
     return sum(float(a) * k for a, k in zip(coefficients, ks) if a != 0)
 
 
+def _empty_step(y0, dense_info, solver_state):
+    """The step of a state with no entries (`y0=None`, or arrays of size zero, which
+    Diffrax's own tests solve with every solver that is not a
+    `diffrax.AbstractImplicitSolver`): nothing to linearise, factor or solve."""
+    zeros = jtu.tree_map(jnp.zeros_like, y0)
+    return y0, zeros, dense_info, solver_state, RESULTS.successful
+
+
 def _stages(tab: _RodasTableau, g, solve, t0, h, flat0, dtype):
     r"""The stages of one Rosenbrock step in the W-transformed form, shared by the Rodas
     and W-methods: `g(t, y)` is the increment $f(t, y) h$ and `solve(b)` the solve with
@@ -410,6 +418,9 @@ class AbstractRodas(AbstractAdaptiveSolver):
         tab = self.tableau
         flat0, unravel = jfu.ravel_pytree(y0)
         dtype = flat0.dtype
+        if flat0.size == 0:
+            q = jax.vmap(unravel)(jnp.zeros((tab.H.shape[0], 0), dtype))
+            return _empty_step(y0, dict(y0=y0, y1=y0, q=q), None)
         t0 = jnp.asarray(t0)
         h = jnp.asarray(t1) - t0
         control = terms.contr(t0, t1)
@@ -725,8 +736,11 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         t0 = jnp.asarray(t0)
         h = jnp.asarray(t1) - t0
         flat0, _, _, g = _flat_increment(terms, t0, t1, y0, args)
-        W_J, dW = self._jacobian(g, t0, flat0)
         one = jnp.array(1, jnp.int32)
+        if flat0.size == 0:  # see `_empty_step`: no Jacobian, no factorisation
+            zero = jnp.array(0, jnp.int32)
+            return WState(None, None, h, h, None, zero, zero, zero)
+        W_J, dW = self._jacobian(g, t0, flat0)
         return WState(
             W_J=W_J,
             dW=dW,
@@ -745,6 +759,9 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         t0 = jnp.asarray(t0)
         h = jnp.asarray(t1) - t0
         flat0, unravel, dtype, g = _flat_increment(terms, t0, t1, y0, args)
+        if flat0.size == 0:
+            k = jtu.tree_map(lambda a: jnp.stack([a, a]), y0)
+            return _empty_step(y0, dict(y0=y0, y1=y0, k=k), st)
 
         with jax.numpy_dtype_promotion("standard"):
             ratio = h / st.h_J
