@@ -56,6 +56,7 @@ test-diffrax: $(STAMP)
 	$(PY) tests/diffrax_suite.py --implicit diffrax -q -rfEx || rc=1; \
 	$(PY) tests/diffrax_suite.py --implicit verychord -q -rfEx || rc=1; \
 	$(PY) tests/diffrax_suite.py --implicit newton -q -rfEx || rc=1; \
+	$(PY) tests/diffrax_suite.py --stiff -q -rfEx || rc=1; \
 	exit $$rc
 
 # The site, then the checks on it (tests/test_site.py): every public name described, no

@@ -278,6 +278,67 @@ def test_float32():
     np.testing.assert_allclose(sol.ys[-1], _robertson_ref(100.0), rtol=1e-2, atol=1e-6)
 
 
+_A_STRICT = np.array([[-1.0, 0.5], [0.2, -2.0]])
+
+
+def test_strict_promotion():
+    """Under JAX's strict dtype and rank promotion, as Diffrax's own tests run (found by
+    `tests/diffrax_suite.py --stiff`: integer arrays met float and int32 ones in the step
+    size's rescaling and the order's choice, and a float64 coefficient met a float32
+    step): the fixed order of 1 with constant steps is backward Euler,
+    $(I - h A)^{-n} y_0$ on a linear system, in float64 and float32, and the variable
+    order reaches `expm`'s solution."""
+    y0 = jnp.array([1.0, 2.0])
+
+    def f(t, y, args):
+        return jnp.asarray(_A_STRICT, y.dtype) @ y
+
+    term = diffrax.ODETerm(f)
+    euler_solver = dl.BDF(max_order=1, ndf=False, root_finder=_TIGHT)
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        euler = diffrax.diffeqsolve(term, euler_solver, 0, 2, 0.25, y0)
+        euler32 = diffrax.diffeqsolve(
+            term,
+            eqx.tree_at(
+                lambda s: s.root_finder, euler_solver, dl.VeryChord(1e-6, 1e-6, optx.rms_norm)
+            ),
+            *(jnp.asarray(t, jnp.float32) for t in (0, 2, 0.25)),
+            y0.astype(jnp.float32),
+        )
+        variable = diffrax.diffeqsolve(
+            term,
+            dl.BDF(variable_order=True, max_order=5),
+            0,
+            2,
+            0.01,
+            y0,
+            stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-8),
+        )
+    step = np.linalg.inv(np.eye(2) - 0.25 * _A_STRICT)
+    ref = np.linalg.matrix_power(step, 8) @ np.asarray(y0)
+    np.testing.assert_allclose(euler.ys[-1], ref, rtol=1e-10)
+    assert euler32.ys.dtype == jnp.float32
+    np.testing.assert_allclose(euler32.ys[-1], ref, rtol=1e-5)
+    np.testing.assert_allclose(
+        variable.ys[-1], scipy.linalg.expm(2 * _A_STRICT) @ np.asarray(y0), rtol=1e-6
+    )
+
+
+def test_complex_state_raises():
+    """A complex state is a clear error (it raised in `materialise_operator` before,
+    advising an argument the solver does not have), not a wrong number."""
+    with pytest.raises(TypeError, match="`diffrax_linearize.BDF` takes real states only"):
+        diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: -1j * y),
+            dl.BDF(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.array([1.0 + 0.0j, 0.5j]),
+            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-6),
+        )
+
+
 def test_sde_error():
     bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=1e-3, shape=(), key=jax.random.key(0))
     terms = diffrax.MultiTerm(

@@ -1,5 +1,6 @@
 import diffrax
 import diffrax_linearize as dl
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
@@ -315,6 +316,63 @@ def test_pytree_state():
     ref = scipy.linalg.expm(M) @ np.array([1.0, 0.5])
     np.testing.assert_allclose(sol.ys["a"][-1], ref[0], rtol=1e-6)
     np.testing.assert_allclose(sol.ys["b"][-1], ref[1], rtol=1e-6)
+
+
+_A_COMPLEX = np.array(
+    [[-1.0 + 2.0j, 0.5, 0.0], [0.3j, -2.0 - 1.0j, 1.0], [0.0, -0.5 + 0.5j, -0.5 + 3.0j]]
+)
+
+
+def _complex_rhs(t, y, args):
+    # Holomorphic in y, non-autonomous (the stages' df/dt term in complex arithmetic).
+    return jnp.asarray(_A_COMPLEX) @ y + jnp.exp(1j * t) * jnp.array([1.0, 0.0, -1.0j])
+
+
+def _split_rhs(t, uv, args):
+    z = _complex_rhs(t, uv[:3] + 1j * uv[3:], args)
+    return jnp.concatenate([z.real, z.imag])
+
+
+@pytest.mark.parametrize("solver", [dl.Rodas5P, dl.Rodas4P, dl.ROS34PW2])
+def test_complex_state(solver):
+    """A complex state (found by Diffrax's `test_ode_order[complex128-*]` in
+    `tests/diffrax_suite.py --stiff`; it raised in `materialise_operator` before): the
+    Jacobian is the complex one (`holomorphic=True`), so every step is exactly the step of
+    the system split into real and imaginary parts, whose Jacobian is its real form; and
+    the solution is scipy's."""
+    y0 = jnp.array([1.0 + 0.5j, -0.5j, 0.25 + 0.0j])
+    dt, t1 = 0.02, 2.0
+    sol = diffrax.diffeqsolve(diffrax.ODETerm(_complex_rhs), solver(), 0.0, t1, dt, y0)
+    uv0 = jnp.concatenate([y0.real, y0.imag])
+    split = diffrax.diffeqsolve(diffrax.ODETerm(_split_rhs), solver(), 0.0, t1, dt, uv0)
+    assert sol.ys.dtype == jnp.complex128
+    z1 = sol.ys[-1]
+    np.testing.assert_allclose(jnp.concatenate([z1.real, z1.imag]), split.ys[-1], atol=1e-12)
+
+    def f(t, y):
+        return np.asarray(_complex_rhs(t, jnp.asarray(y), None))
+
+    ref = scipy.integrate.solve_ivp(f, (0, t1), np.asarray(y0), "DOP853", rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(z1, ref.y[:, -1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("solver", [dl.Rodas5P, dl.ROS34PW2])
+@pytest.mark.parametrize("y0", [None, jnp.zeros((0, 3))])
+def test_empty_state(solver, y0):
+    """A state with no entries, which Diffrax's `test_basic` solves with every solver that
+    is not implicit (found by `tests/diffrax_suite.py --stiff`; it raised in the linear
+    solver or the W-method's update before): the solve goes through, as `diffrax.Tsit5`'s
+    does, with the same (empty) solution and dense output."""
+    term = diffrax.ODETerm(lambda t, y, args: jax.tree_util.tree_map(jnp.negative, y))
+    kwargs = dict(
+        stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-8),
+        saveat=diffrax.SaveAt(t1=True, dense=True),
+    )
+    sol = diffrax.diffeqsolve(term, solver(), 0.0, 1.0, 0.1, y0, **kwargs)
+    ref = diffrax.diffeqsolve(term, diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, **kwargs)
+    assert sol.result == diffrax.RESULTS.successful
+    assert eqx.tree_equal(sol.ys, ref.ys)
+    assert eqx.tree_equal(sol.evaluate(0.5), ref.evaluate(0.5))
 
 
 @pytest.mark.parametrize("solver", [dl.Rodas5P, dl.Rodas4P])

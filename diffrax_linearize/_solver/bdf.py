@@ -84,8 +84,12 @@ def _matmul(a, b):
 def _rescale_matrix(order: int, factor):
     """scipy's `compute_R`, for the largest order: its leading `(q + 1, q + 1)` block is
     the matrix for order `q` (the rows are cumulative products down the columns)."""
-    i = np.arange(1, order + 1)[:, None]
-    j = np.arange(1, order + 1)
+    # In the dtype of `factor` and of equal ranks: integer arrays would not promote, nor
+    # ranks broadcast, under JAX's strict promotion (`jax_numpy_dtype_promotion="strict"`,
+    # `jax_numpy_rank_promotion="raise"`, as Diffrax's own tests run).
+    dtype = jnp.result_type(factor)
+    i = np.arange(1, order + 1, dtype=dtype)[:, None]
+    j = np.arange(1, order + 1, dtype=dtype)[None, :]
     m = (i - 1 - factor * j) / i
     m = jnp.concatenate([jnp.ones((1, order), m.dtype), m], axis=0)
     m = jnp.concatenate([jnp.ones((order + 1, 1), m.dtype), m], axis=1)
@@ -101,7 +105,7 @@ def _rescale_weights(q, factor, max_order: int):
     R = _rescale_matrix(max_order, factor)
     U = _rescale_matrix(max_order, np.ones((), dtype))
     RU = _matmul(R, U)
-    idx = jnp.arange(max_order + 1)
+    idx = jnp.arange(max_order + 1, dtype=jnp.int32)
     inside = (idx[:, None] <= q) & (idx[None, :] <= q)
     return jnp.where(inside, RU, jnp.eye(max_order + 1, dtype=dtype)).T
 
@@ -194,7 +198,7 @@ class _BDFInterpolation(AbstractLocalInterpolation):
                 h * (1 + np.arange(self.D.shape[0] - 1))
             )
             p = jnp.cumprod(x).astype(dtype)
-        p = jnp.where(np.arange(1, self.D.shape[0]) <= self.order, p, 0)
+        p = jnp.where(np.arange(1, self.D.shape[0], dtype=np.int32) <= self.order, p, 0)
         return unravel(self.D[0] + _combine(p[None], self.D[1:])[0])
 
 
@@ -274,8 +278,9 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
     For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
     float32 or float64 (flattened with `jax.flatten_util.ravel_pytree`; a single array
-    keeps its Jacobian's structure). Use it with `diffrax.PIDController` or
-    [`diffrax_linearize.PredictiveController`][]; with a constant step size, pass
+    keeps its Jacobian's structure); not complex (a `TypeError`). Use it with
+    `diffrax.PIDController` or [`diffrax_linearize.PredictiveController`][]; with a
+    constant step size, pass
     `root_finder=diffrax_linearize.VeryChord(rtol=..., atol=..., norm=...)`.
 
     **Arguments:**
@@ -424,9 +429,17 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         _check_ode(self, terms, t0, t1)
         t0 = jnp.asarray(t0)
         flat0, _, dtype, g = _flat_increment(terms, t0, t1, y0, args)
+        if jnp.iscomplexobj(flat0):
+            # The step and order control compare step sizes and rates in the state's dtype.
+            raise TypeError(
+                "`diffrax_linearize.BDF` takes real states only (float32 or float64), not "
+                f"{flat0.dtype}: split a complex state into its real and imaginary parts, or "
+                "use `diffrax_linearize.Rodas5P`, `.Rodas4P` or `.ROS34PW2`, which take "
+                "complex states."
+            )
         h = (jnp.asarray(t1) - t0).astype(dtype)
         _, alpha, _ = _coefficients(self.ndf)
-        c = h / alpha[1]
+        c = h / jnp.asarray(alpha[1], dtype)
         M_J, dM = self._jacobian(g, t0, flat0, jnp.asarray(1 / alpha[1], dtype))
         factorisation = self._factor(M_J)
         M_J, dM = self._carried(M_J, dM, factorisation)
@@ -563,10 +576,11 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         # The errors of the orders around q only where the order is chosen (one step in
         # q + 1): two passes over the state that the other steps skip.
         e_m, e_p = jax.lax.cond(consider, neighbours, lambda: (inf, inf))
-        orders = (q + jnp.arange(-1, 2)).astype(dtype)
+        orders = (q + jnp.arange(-1, 2, dtype=jnp.int32)).astype(dtype)
         with jax.numpy_dtype_promotion("standard"):
             factors = jnp.stack([e_m, e_q, e_p]) ** (-1 / (orders + 1))
-        best = jnp.argmax(factors)  # the lowest order of equal factors, as scipy's
+        # The lowest order of equal factors, as scipy's.
+        best = jnp.argmax(factors).astype(q.dtype)
         q_next = jnp.where(consider, q + best - 1, q)
         # Between choices an accepted step asks for the same step size again (`_HOLD`); a
         # rejected one for scipy's smaller step.
@@ -596,7 +610,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         # other steps evaluate no f) and the rows above it are dropped.
         slope = jax.lax.cond(made_jump, lambda: g(t0, flat0), lambda: st.D[1])
         history = [flat0, slope, *st.D[2:]]
-        rows = jnp.arange(K + 2)
+        rows = jnp.arange(K + 2, dtype=jnp.int32)
         rescale = jnp.eye(K + 2, dtype=dtype)
         factor = h / st.h
         rescale = rescale.at[: K + 1, : K + 1].set(_rescale_weights(st.order, factor, K))
@@ -756,7 +770,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             num_factorisations=st.num_factorisations + (refactor | retry).astype(jnp.int32),
             num_newton_iterations=st.num_newton_iterations + iters,
             num_steps_by_order=st.num_steps_by_order
-            + (jnp.arange(1, _MAX_ORDER + 1) == q).astype(jnp.int32),
+            + (jnp.arange(1, _MAX_ORDER + 1, dtype=jnp.int32) == q).astype(jnp.int32),
         )
         dense_info = dict(y0=y0, D=D_new, order=q)
         return unravel(y1), unravel(error), dense_info, new_state, result

@@ -292,6 +292,14 @@ def _combine(coefficients, ks):
     return sum(float(a) * k for a, k in zip(coefficients, ks) if a != 0)
 
 
+def _empty_step(y0, dense_info, solver_state):
+    """The step of a state with no entries (`y0=None`, or arrays of size zero, which
+    Diffrax's own tests solve with every solver that is not a
+    `diffrax.AbstractImplicitSolver`): nothing to linearise, factor or solve."""
+    zeros = jtu.tree_map(jnp.zeros_like, y0)
+    return y0, zeros, dense_info, solver_state, RESULTS.successful
+
+
 def _stages(tab: _RodasTableau, g, solve, t0, h, flat0, dtype):
     r"""The stages of one Rosenbrock step in the W-transformed form, shared by the Rodas
     and W-methods: `g(t, y)` is the increment $f(t, y) h$ and `solve(b)` the solve with
@@ -381,7 +389,9 @@ class AbstractRodas(AbstractAdaptiveSolver):
 
     For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
     float32 or float64 (it is flattened with `jax.flatten_util.ravel_pytree`; a single
-    array keeps its Jacobian's structure).
+    array keeps its Jacobian's structure), or of complex ones: the Jacobian is then the
+    complex one `jax.jacfwd(..., holomorphic=True)` gives, exact for a vector field
+    holomorphic in $y$ (for another, an approximation that costs the order).
     """
 
     linear_solver: eqx.AbstractVar[lx.AbstractLinearSolver]
@@ -408,6 +418,9 @@ class AbstractRodas(AbstractAdaptiveSolver):
         tab = self.tableau
         flat0, unravel = jfu.ravel_pytree(y0)
         dtype = flat0.dtype
+        if flat0.size == 0:
+            q = jax.vmap(unravel)(jnp.zeros((tab.H.shape[0], 0), dtype))
+            return _empty_step(y0, dict(y0=y0, y1=y0, q=q), None)
         t0 = jnp.asarray(t0)
         h = jnp.asarray(t1) - t0
         control = terms.contr(t0, t1)
@@ -422,9 +435,12 @@ class AbstractRodas(AbstractAdaptiveSolver):
             return out_flat.astype(dtype)
 
         # W = I/gamma - h J as one materialised operator: the structure engine sees the
-        # identity, so W keeps J's block, band or sparsity pattern (with its diagonal).
+        # identity, so W keeps J's block, band or sparsity pattern (with its diagonal). A
+        # complex state's J is the complex Jacobian, as Diffrax's implicit solvers take.
         gamma = tab.gamma
-        W = solver_operator(lambda y, _: y / gamma - g(t0, y), flat0, None)
+        W = solver_operator(
+            lambda y, _: y / gamma - g(t0, y), flat0, None, holomorphic=jnp.iscomplexobj(flat0)
+        )
         state = self.linear_solver.init(W, {})
         solve = _stage_solver(self, W, state, g, t0, flat0, gamma, exact=True)
         flat1, error, _, ks, result = _stages(tab, g, solve, t0, h, flat0, dtype)
@@ -463,7 +479,9 @@ class Rodas5P(AbstractRodas):
 
     For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
     float32 or float64 (it is flattened with `jax.flatten_util.ravel_pytree`; a single
-    array keeps its Jacobian's structure).
+    array keeps its Jacobian's structure), or of complex ones: the Jacobian is then the
+    complex one `jax.jacfwd(..., holomorphic=True)` gives, exact for a vector field
+    holomorphic in $y$ (for another, an approximation that costs the order).
 
     **Arguments:**
 
@@ -660,7 +678,9 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
     branches, so every step then pays for a Jacobian and a factorisation.
     Dense output is the cubic Hermite interpolant, one extra evaluation of $f$ per step.
 
-    For ODEs only (one `diffrax.ODETerm`), any pytree of real arrays, float32 or float64.
+    For ODEs only (one `diffrax.ODETerm`), any pytree of real arrays, float32 or float64,
+    or of complex ones (the Jacobian is then the complex one, as for
+    [`diffrax_linearize.Rodas5P`][]; the order holds with it whatever the vector field).
     """
 
     linear_solver: eqx.AbstractVar[lx.AbstractLinearSolver]
@@ -699,7 +719,12 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         one = jnp.ones((), flat0.dtype)
 
         def W_of(s):
-            return solver_operator(lambda y, _: y / gamma - s * g(t0, y), flat0, None)
+            return solver_operator(
+                lambda y, _: y / gamma - s * g(t0, y),
+                flat0,
+                None,
+                holomorphic=jnp.iscomplexobj(flat0),
+            )
 
         return eqx.filter_jvp(W_of, (one,), (one,))
 
@@ -711,8 +736,11 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         t0 = jnp.asarray(t0)
         h = jnp.asarray(t1) - t0
         flat0, _, _, g = _flat_increment(terms, t0, t1, y0, args)
-        W_J, dW = self._jacobian(g, t0, flat0)
         one = jnp.array(1, jnp.int32)
+        if flat0.size == 0:  # see `_empty_step`: no Jacobian, no factorisation
+            zero = jnp.array(0, jnp.int32)
+            return WState(None, None, h, h, None, zero, zero, zero)
+        W_J, dW = self._jacobian(g, t0, flat0)
         return WState(
             W_J=W_J,
             dW=dW,
@@ -731,6 +759,9 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         t0 = jnp.asarray(t0)
         h = jnp.asarray(t1) - t0
         flat0, unravel, dtype, g = _flat_increment(terms, t0, t1, y0, args)
+        if flat0.size == 0:
+            k = jtu.tree_map(lambda a: jnp.stack([a, a]), y0)
+            return _empty_step(y0, dict(y0=y0, y1=y0, k=k), st)
 
         with jax.numpy_dtype_promotion("standard"):
             ratio = h / st.h_J
