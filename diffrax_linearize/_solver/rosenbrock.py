@@ -325,6 +325,22 @@ def _stages(tab: _RodasTableau, g, solve, t0, h, flat0, dtype):
     return flat0 + _combine(tab.b, ks), _combine(tab.btilde, ks), g0, ks, result
 
 
+def _check_tolerances(solver):
+    # Both or neither, as `diffrax.PIDController` takes both with no default: an `atol`
+    # is on the scale of the state, so no default fits every problem, and with `rtol`
+    # alone the weights `atol + rtol |y0|` are undefined (with `atol` alone it would be
+    # silently unused).
+    if (solver.rtol is None) != (solver.atol is None):
+        name = f"diffrax_linearize.{type(solver).__name__}"
+        given, missing = ("rtol", "atol") if solver.atol is None else ("atol", "rtol")
+        raise ValueError(
+            f"`{name}({given}=...)` was given without `{missing}`: pass both, the "
+            f"step-size controller's (`{name}(rtol=..., atol=...)` with the same values "
+            "as `diffrax.PIDController(rtol=..., atol=...)`), or neither, to keep "
+            "GMRES's own tolerance."
+        )
+
+
 # The stage solves' tolerance on the GMRES path, in the error weights `atol + rtol |y0|`
 # of the step: GMRES stops at `linear_fraction` (0.05) of it. A Rosenbrock step has no
 # Newton iteration to absorb a linear solve's error, and its stages combine the increments
@@ -391,6 +407,9 @@ class AbstractRodas(AbstractAdaptiveSolver):
 
     term_structure: ClassVar = diffrax.AbstractTerm
     interpolation_cls: ClassVar = _RodasInterpolation
+
+    def __check_init__(self):
+        _check_tolerances(self)
 
     def order(self, terms):
         return self.tableau.order
@@ -473,8 +492,9 @@ class Rodas5P(AbstractRodas):
         [`diffrax_linearize.StructuredLinearSolver`][] only: its stage solves then stop
         when the root mean square of the residual over `atol + rtol |y0|` is below
         `linear_fraction` (0.05) times 1e-2, rather than at GMRES's own 1e-10 (no finer
-        than the dtype resolves). `None` (the default) keeps 1e-10. A Rosenbrock solver
-        has no root finder through which `diffrax.diffeqsolve` could pass them.
+        than the dtype resolves). `None` (the default) keeps 1e-10. Give both or
+        neither. A Rosenbrock solver has no root finder through which
+        `diffrax.diffeqsolve` could pass them.
 
     ```python
     import diffrax
@@ -529,8 +549,9 @@ class Rodas4P(AbstractRodas):
         [`diffrax_linearize.StructuredLinearSolver`][] only: its stage solves then stop
         when the root mean square of the residual over `atol + rtol |y0|` is below
         `linear_fraction` (0.05) times 1e-2, rather than at GMRES's own 1e-10 (no finer
-        than the dtype resolves). `None` (the default) keeps 1e-10. A Rosenbrock solver
-        has no root finder through which `diffrax.diffeqsolve` could pass them.
+        than the dtype resolves). `None` (the default) keeps 1e-10. Give both or
+        neither. A Rosenbrock solver has no root finder through which
+        `diffrax.diffeqsolve` could pass them.
 
     ```python
     import diffrax
@@ -674,6 +695,7 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
     interpolation_cls: ClassVar = diffrax.ThirdOrderHermitePolynomialInterpolation.from_k
 
     def __check_init__(self):
+        _check_tolerances(self)
         if not (isinstance(self.jacobian_every, int) and self.jacobian_every >= 1):
             raise ValueError(
                 f"`diffrax_linearize.{type(self).__name__}(jacobian_every=...)` must be "
@@ -795,8 +817,9 @@ class ROS34PW2(AbstractRosenbrockW):
         [`diffrax_linearize.StructuredLinearSolver`][] only: its stage solves then stop
         when the root mean square of the residual over `atol + rtol |y0|` is below
         `linear_fraction` (0.05) times 1e-2, rather than at GMRES's own 1e-10 (no finer
-        than the dtype resolves). `None` (the default) keeps 1e-10. A Rosenbrock solver
-        has no root finder through which `diffrax.diffeqsolve` could pass them.
+        than the dtype resolves). `None` (the default) keeps 1e-10. Give both or
+        neither. A Rosenbrock solver has no root finder through which
+        `diffrax.diffeqsolve` could pass them.
     - `jacobian_every`: the most steps one Jacobian serves; 20 by default, CVODE's
         interval between linear-solver setups (`MSBP`): a W-method keeps its order
         with any Jacobian, so this bounds only how far stability and the error
