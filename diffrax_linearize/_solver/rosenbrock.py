@@ -19,7 +19,7 @@ import lineax as lx
 import numpy as np
 from diffrax import AbstractAdaptiveSolver, AbstractLocalInterpolation, RESULTS
 
-from .._linear_solver import matrix_free, StructuredLinearSolver
+from .._linear_solver import jvp_product, matrix_free, StructuredLinearSolver
 from .._materialise import solver_operator
 
 
@@ -357,13 +357,10 @@ def _stage_solver(solver, W, state, g, t0, flat0, gamma, exact: bool):
     over the state where the materialised operator's product gathers every entry."""
     dtype = flat0.dtype
     if exact:
-        # Without derivatives, as the factorisation: lineax differentiates the solve
-        # through `W`, not through its state.
-        t, y = jax.lax.stop_gradient((t0, flat0))
+        jv = jvp_product(g, t0, flat0)
 
         def mv(v):
-            _, jv = jax.jvp(lambda z: g(t, z), (y,), (v,))
-            return v / gamma - jv
+            return v / gamma - jv(v)
 
         state = matrix_free(state, mv, W)
     options = {}
