@@ -485,35 +485,50 @@ def _materialise_none(y, grad_y):
 
 
 _OUT_OF_STEPS = (
-    f"`{_API}`: the backward solve reached `max_steps`. On a stiff ODE no number of "
-    "steps is enough: the backward solve recomputes the state backwards in time, where "
-    "the modes that decay fast forwards (an eigenvalue -lambda of the Jacobian) grow as "
-    "exp(lambda |t|), whatever the solver (`diffrax.Kvaerno5` as "
-    "`diffrax_linearize.BDF`). Differentiate a stiff solve with "
-    "`adjoint=diffrax.RecursiveCheckpointAdjoint()` (the default) or "
-    "`diffrax.DirectAdjoint()`; if the ODE is not stiff, raise "
+    f"`{_API}`: the backward solve reached `max_steps`. It recomputes the state "
+    "backwards in time, where any error grows as fast as the ODE's solutions converge "
+    "forwards: on a stiff ODE (the modes that decay fast forwards, an eigenvalue -lambda "
+    "of the Jacobian, grow as exp(lambda |t|), whatever the solver: `diffrax.Kvaerno5` as "
+    "`diffrax_linearize.BDF`) or a chaotic or strongly dissipative one (the Lorenz "
+    "system over more than a short interval), no number of steps is enough. "
+    "Differentiate such a solve with `adjoint=diffrax.RecursiveCheckpointAdjoint()` (the "
+    "default) or `diffrax.DirectAdjoint()`; otherwise raise "
     f"`{_API}(max_steps=...)`."
 )
 
 
-# How far, in units of the controller's tolerance, the state recomputed by a segment of
-# the backward solve may end from the forward solve's (at `t0` or a save time). On a
-# non-stiff ODE it ends a few tolerances away (the global errors of the two solves: 6 and
-# 14 on a 3-unknown linear ODE at rtol 1e-6, `diffrax_linearize.BDF` and `ROS34PW2`); on
-# a stiff ODE the state's fast modes, which grow backwards in time, are lost (an L-stable
-# solver damps them) and it ends O(1) away (3e5 tolerances with an eigenvalue -1000),
-# with gradients wrong by as much, and no error from the solve.
+# How far, in units of the controller's tolerance (the RMS of the difference over
+# `atol + rtol |y|`), the state recomputed by a segment of the backward solve may end from
+# the forward solve's (at `t0` or a save time): `_RECOMPUTED_PER_STEP` per accepted step
+# of the segment, and at least `_RECOMPUTED_TOLERANCES`. Each step of the forward and of
+# the backward solve may leave about one tolerance of local error, and on an ODE whose
+# solutions neither converge nor diverge fast these add up about linearly, so a fixed
+# bound fails long solves: a pendulum over 45 periods ends 780 tolerances away (2466
+# backward steps, rtol 1e-8), Lotka-Volterra over 11 periods with `diffrax_linearize.BDF`
+# 1.1e4 (3146 steps, rtol 1e-6) and over 22 in float32 at rtol 1e-8 (below its
+# resolution) 5e3 (3186 steps): at most 3.4 per step, each with the gradient of
+# `diffrax.BacksolveAdjoint` and within 6e-3 of `diffrax.RecursiveCheckpointAdjoint`'s.
+# Where the forward solutions converge fast (a stiff ODE's decaying modes, a chaotic
+# attractor's contracting directions), the errors grow exponentially backwards in time:
+# 3e5 tolerances on a linear ODE with an eigenvalue -1000 (19-83 steps: 3.5e3 to 1.5e4 per
+# step), 4.4e3 on Lorenz over t in [0, 0.5] (38 steps: 115 per step), 5e10 over [0, 2],
+# 6e5 on the pendulum above at rtol 1e-3 (276 steps: 2e3 per step), with gradients wrong
+# by 3e-4 at rtol 1e-6 and more, and no solve failing.
 _RECOMPUTED_TOLERANCES = 1e3
+_RECOMPUTED_PER_STEP = 100
 
 _NOT_RECOMPUTED = (
     f"`{_API}`: the state recomputed by the backward solve ends far from the forward "
     "solve's (at `t0` or a save time; more than "
-    f"{_RECOMPUTED_TOLERANCES:g} times the step-size controller's tolerance), so the "
-    "gradients would be wrong. On a stiff ODE this is expected: the backward solve "
-    "recomputes the state backwards in time, where its fast decaying modes grow, "
-    "whatever the solver. Differentiate a stiff solve with "
+    f"{_RECOMPUTED_PER_STEP:g} times the step-size controller's tolerance per step, and "
+    f"at least {_RECOMPUTED_TOLERANCES:g}), so the gradients would be wrong. The backward "
+    "solve recomputes the state backwards in time, where any error grows as fast as the "
+    "ODE's solutions converge forwards: on a stiff ODE (fast decaying modes, whatever the "
+    "solver) or a chaotic or strongly dissipative one (the Lorenz system over more than "
+    "a short interval), no tolerance is enough; otherwise the tolerances may be too loose "
+    "for the length of the solve. Differentiate such a solve with "
     "`adjoint=diffrax.RecursiveCheckpointAdjoint()` (the default) or "
-    "`diffrax.DirectAdjoint()`."
+    "`diffrax.DirectAdjoint()`, or tighten `rtol` and `atol`."
 )
 
 
@@ -533,6 +548,11 @@ def _recomputed_distance(controller):
             return jnp.sqrt(jnp.mean(((flat_back - flat) / scale) ** 2))
 
     return distance
+
+
+def _allowed(steps):
+    """How far (see `_RECOMPUTED_TOLERANCES`) a segment of `steps` accepted steps may end."""
+    return jnp.maximum(_RECOMPUTED_TOLERANCES, _RECOMPUTED_PER_STEP * steps)
 
 
 def _check_backward(sol):
@@ -602,9 +622,9 @@ def _loop_backsolve_bwd(
 
     def scan_fun(state, vals, first=False):
         _t1, _t0, _y0, _grad_y0 = vals
-        (y_back, furthest, a_y0, a_args0, a_terms0), solver_state, controller_state = state
+        (y_back, furthest, steps, a_y0, a_args0, a_terms0), solver_state, controller_state = state
         if distance is not None and not first:
-            furthest = jnp.maximum(furthest, distance(y_back, _y0))
+            furthest = jnp.maximum(furthest, distance(y_back, _y0) / _allowed(steps))
         with jax.numpy_dtype_promotion("standard"):
             a_y0 = jtu.tree_map(jnp.add, a_y0, _grad_y0)
         sol = diffrax.diffeqsolve(
@@ -621,11 +641,12 @@ def _loop_backsolve_bwd(
         if throw:
             sol = _check_backward(sol)
         y1, a_y1, a_args1, a_terms1 = jtu.tree_map(lambda x: x[0], sol.ys)
-        adjoint_state = (y1, furthest, a_y1, a_args1, a_terms1)
+        steps = sol.stats["num_accepted_steps"].astype(furthest.dtype)
+        adjoint_state = (y1, furthest, steps, a_y1, a_args1, a_terms1)
         return (adjoint_state, sol.solver_state, sol.controller_state), None
 
     furthest = jnp.zeros((), jnp.result_type(*jtu.tree_leaves(y)))
-    zeros = jtu.tree_map(jnp.zeros_like, (y, furthest, y, diff_args, diff_terms))
+    zeros = jtu.tree_map(jnp.zeros_like, (y, furthest, furthest, y, diff_args, diff_terms))
     state = (zeros, None, None)
     last = lambda tree, i: jtu.tree_map(lambda x: x[i], tree)
     segment = lambda tree, lo, hi: jtu.tree_map(lambda x: x[lo:hi], tree)
@@ -640,7 +661,7 @@ def _loop_backsolve_bwd(
             state, _ = lax.scan(scan_fun, state, vals, reverse=True)
         elif len(ts) == 2:
             state, _ = scan_fun(state, (ts[0], ts[1], last(ys, 1), last(grad_ys, 1)), True)
-        (y_back, furthest, a_y1, a_args1, a_terms1), _, _ = state
+        (y_back, furthest, steps, a_y1, a_args1, a_terms1), _, _ = state
         with jax.numpy_dtype_promotion("standard"):
             a_y1 = jtu.tree_map(jnp.add, a_y1, last(grad_ys, 0))
     else:
@@ -656,11 +677,11 @@ def _loop_backsolve_bwd(
             state, _ = lax.scan(scan_fun, state, vals, reverse=True)
         else:
             state, _ = scan_fun(state, (t0, ts[0], last(ys, 0), last(grad_ys, 0)), True)
-        (y_back, furthest, a_y1, a_args1, a_terms1), _, _ = state
+        (y_back, furthest, steps, a_y1, a_args1, a_terms1), _, _ = state
     if distance is not None and (len(ts) > 1 or not saveat_t0):
-        furthest = jnp.maximum(furthest, distance(y_back, y))
+        furthest = jnp.maximum(furthest, distance(y_back, y) / _allowed(steps))
         # On all the cotangents: a gradient with respect to `args` alone reads no other.
-        too_far = ~(furthest <= _RECOMPUTED_TOLERANCES)
+        too_far = ~(furthest <= 1)
         return eqx.error_if((a_y1, a_args1, a_terms1), too_far, _NOT_RECOMPUTED)
     return a_y1, a_args1, a_terms1
 
@@ -782,11 +803,13 @@ class BacksolveAdjoint(diffrax.AbstractAdjoint):
     backward solve recomputes the state backwards in time, where the modes that decay
     fast forwards grow, so it runs out of steps, or (an L-stable solver damping those
     modes) ends far from the forward solution with wrong gradients and no error, as
-    `diffrax.BacksolveAdjoint` does. Here both raise an error (with `throw=True`, the
-    default) that says to use `diffrax.RecursiveCheckpointAdjoint`: running out of steps,
-    and, for ODEs with an adaptive step-size controller, a recomputed state more than
-    $10^3$ of the controller's tolerances from the forward solve's at `t0` or at a save
-    time.
+    `diffrax.BacksolveAdjoint` does. The same holds for chaotic or strongly dissipative
+    ODEs (the Lorenz system) over all but short intervals. Here both raise an error (with
+    `throw=True`, the default) that says to use `diffrax.RecursiveCheckpointAdjoint`:
+    running out of steps, and, for ODEs with an adaptive step-size controller, a
+    recomputed state further from the forward solve's at `t0` or at a save time than
+    100 of the controller's tolerances per step of the backward solve (at least $10^3$):
+    a long solve of a non-stiff ODE accumulates about one per step.
 
     Gradients are with respect to `y0`, `args` and `terms`; anything else (`t0`, values
     closed over) raises JAX's `CustomVJPException`, as for Diffrax's.

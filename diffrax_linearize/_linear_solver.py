@@ -480,6 +480,25 @@ def with_diagonal(state, diagonal):
     )
 
 
+def jvp_product(g, t, y):
+    r"""`v -> J v` with $J = \partial g / \partial y$ at `(t, y)`, by forward-mode
+    differentiation of `g(t, y)` (flat vectors to flat vectors): for an integrator's
+    [`matrix_free`][] product by its iteration matrix, a pass over the state as cheap as
+    an evaluation of `g`, where a product by the materialised operator gathers every
+    entry of every row (several times the cost). Each caller adds its own shift
+    (`v - c J v`, `v / gamma - J v`).
+
+    `t` and `y` are taken without derivatives, as the factorisation the product stands
+    in for: lineax differentiates a solve through its operator, not through its state."""
+    t, y = jax.lax.stop_gradient((t, y))
+
+    def mv(v):
+        _, jv = jax.jvp(lambda z: g(t, z), (y,), (v,))
+        return jv
+
+    return mv
+
+
 def matrix_free(state, mv, operator):
     """The state `state` of [`diffrax_linearize.StructuredLinearSolver`][] for solves with
     `operator` by its product `mv` (flat vectors to flat vectors), when that state is

@@ -402,3 +402,80 @@ def test_reversed_increment_against_quadrature():
     for field in ("dt", "W", "H", "K"):
         np.testing.assert_allclose(getattr(actual, field), getattr(expected, field), atol=1e-9)
     assert np.all(np.abs(expected.H) > 1e-2) and np.all(np.abs(expected.K) > 1e-4)
+
+
+def _lotka_volterra(t, y, p):
+    return jnp.stack([p[0] * y[0] - p[1] * y[0] * y[1], p[3] * y[0] * y[1] - p[2] * y[1]])
+
+
+def _lorenz(t, y, p):
+    return jnp.stack([p[0] * (y[1] - y[0]), y[0] * (p[1] - y[2]) - y[1], y[0] * y[1] - p[2] * y[2]])
+
+
+def _long_grad(adjoint, field, solver, y0, p, t1, rtol, atol, max_steps=16384):
+    @eqx.filter_jit
+    def grad(y0, p):
+        def loss(y0, p):
+            sol = diffrax.diffeqsolve(
+                diffrax.ODETerm(field),
+                solver,
+                0.0,
+                t1,
+                1e-2,
+                y0,
+                p,
+                stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
+                adjoint=adjoint,
+                max_steps=max_steps,
+            )
+            return jnp.sum(sol.ys**2)
+
+        return jax.grad(loss, (0, 1))(y0, p)
+
+    return jax.block_until_ready(grad(y0, p))
+
+
+# ~30-60 s each on 2 loaded cores: two gradients of solves of ~3000 steps.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "solver, t1, rtol, atol, dtype, within",
+    [
+        # float32 at tolerances below its resolution: 5e3 tolerances in ~3200 steps.
+        (diffrax.Tsit5(), 100.0, 1e-8, 1e-8, jnp.float32, 1e-3),
+        # A low-order solver's global error: 1.1e4 tolerances in ~3100 steps.
+        (dl.BDF(), 50.0, 1e-6, 1e-8, jnp.float64, 2e-2),
+    ],
+)
+def test_backsolve_long_non_stiff(solver, t1, rtol, atol, dtype, within):
+    """Lotka-Volterra over 10-20 periods: the recomputed state ends thousands of
+    tolerances from the forward one, about one per step (errors adding up, not growing
+    exponentially as on a stiff or chaotic ODE), and the backsolve gradient is
+    `diffrax.BacksolveAdjoint`'s and close to `diffrax.RecursiveCheckpointAdjoint`'s
+    (the continuous adjoint's, so to the solves' global error): no error."""
+    with jax.enable_x64(dtype == jnp.float64):
+        y0 = jnp.ones(2, dtype)
+        p = jnp.array([1.5, 1.0, 3.0, 1.0], dtype)
+        args = (_lotka_volterra, solver, y0, p, t1, rtol, atol)
+        ours = _long_grad(dl.BacksolveAdjoint(), *args)
+        ref = _long_grad(diffrax.RecursiveCheckpointAdjoint(), *args)
+    assert max(_rel_errors(ours, ref)) < within
+
+
+# ~20-40 s on 2 loaded cores
+@pytest.mark.slow
+def test_backsolve_chaotic_raises():
+    """Lorenz's solutions converge fast onto the attractor, so recomputing them backwards
+    in time multiplies any error, as on a stiff ODE: over t in [0, 2] the backsolve
+    gradient (Diffrax's) is wrong by a factor of hundreds. Ours raises, with a message
+    that names the chaotic case as well as the stiff one, whether the backward solve
+    ends far from the forward one or (over [0, 20]) runs out of steps."""
+    y0, p = jnp.ones(3), jnp.array([10.0, 28.0, 8 / 3])
+    args = (_lorenz, diffrax.Tsit5(), y0, p)
+    ref = _long_grad(diffrax.RecursiveCheckpointAdjoint(), *args, 2.0, 1e-6, 1e-8)
+    theirs = _long_grad(diffrax.BacksolveAdjoint(), *args, 2.0, 1e-6, 1e-8, 100_000)
+    assert max(_rel_errors(theirs, ref)) > 1
+    wanted = r"(?s)BacksolveAdjoint`: the {}.*chaotic.*RecursiveCheckpointAdjoint"
+    with pytest.raises(Exception, match=wanted.format("state recomputed")):
+        _long_grad(dl.BacksolveAdjoint(), *args, 2.0, 1e-6, 1e-8, 100_000)
+    with pytest.raises(Exception, match=wanted.format("backward solve reached `max_steps`")):
+        _long_grad(dl.BacksolveAdjoint(), *args, 20.0, 1e-6, 1e-8, 4096)

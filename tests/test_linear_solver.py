@@ -273,3 +273,19 @@ def test_bdf_gmres_refreshes_carry_exact_diagonals(monkeypatch):
     J = jnp.diagonal(jax.jacfwd(field)(st.y_J))
     np.testing.assert_allclose(lx.diagonal(st.M_J), 1 - st.c_J * J, rtol=1e-13, atol=1e-15)
     np.testing.assert_allclose(lx.diagonal(st.dM), -st.h_J * J, rtol=1e-13, atol=1e-15)
+
+
+def test_jvp_product():
+    """`jvp_product(g, t, y)`, the J v of the BDF's and the Rodas solvers' matrix-free
+    GMRES products: against `jax.jacfwd`'s Jacobian times `v`, and without derivatives
+    in `t` and `y` (as the factorisation it stands in for)."""
+
+    def g(t, y):
+        return jnp.sin(t * y) * jnp.roll(y, 1) + y**3
+
+    t, y = 0.7, jnp.linspace(-1.0, 1.0, 6)
+    v = jnp.cos(jnp.arange(6.0))
+    expected = jax.jacfwd(lambda z: g(t, z))(y) @ v
+    np.testing.assert_allclose(_linear_solver.jvp_product(g, t, y)(v), expected, rtol=1e-14)
+    grads = jax.grad(lambda t, y: jnp.sum(_linear_solver.jvp_product(g, t, y)(v)), (0, 1))(t, y)
+    assert float(grads[0]) == 0 and not np.any(grads[1])

@@ -466,3 +466,15 @@ def test_grad_gmres(solver):
         return jnp.sum(jnp.sin(sol.ys[-1]))
 
     assert_grad_matches_central_difference(loss, 1.0, eps=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("solver", [dl.Rodas5P, dl.Rodas4P, dl.ROS34PW2])
+@pytest.mark.parametrize("given, missing", [("rtol", "atol"), ("atol", "rtol")])
+def test_one_tolerance_alone(solver, given, missing):
+    """`rtol` without `atol` (or `atol` without `rtol`) is a clear error when the solver
+    is built, not a `TypeError` inside the stage solves (or, for `atol` alone, a
+    tolerance silently unused); both or neither build."""
+    with pytest.raises(ValueError, match=rf"{solver.__name__}\({given}=.*without `{missing}`"):
+        solver(**{given: 1e-6})
+    solver(rtol=1e-6, atol=1e-8)
+    solver()

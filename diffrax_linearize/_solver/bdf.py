@@ -34,6 +34,7 @@ from .._diagonal import jacobian_diagonal
 from .._linear_solver import (
     detach,
     is_detached,
+    jvp_product,
     matrix_free,
     StructuredLinearSolver,
     with_diagonal,
@@ -667,15 +668,13 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
         def attempt(M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation, rate0):
             # For GMRES, which only multiplies by M = I - c_W J: J v by forward-mode
-            # differentiation of the vector field at the Jacobian's point, a pass over the
-            # state as cheap as an evaluation of f, where a product by the materialised
-            # operator gathers every entry of every row (several times the cost).
-            # Without derivatives, as the factorisation (`_factor`).
-            t, y, r = jax.lax.stop_gradient((t_J, y_J, c_W / h))
+            # differentiation at the Jacobian's point (`jvp_product`), without
+            # derivatives, as the factorisation (`_factor`).
+            jv = jvp_product(g, t_J, y_J)
+            r = jax.lax.stop_gradient(c_W / h)
 
             def mv(v):
-                _, jv = jax.jvp(lambda z: g(t, z), (y,), (v,))
-                return v - r * jv
+                return v - r * jv(v)
 
             if is_detached(factorisation):
                 M = lx.FunctionLinearOperator(mv, jax.eval_shape(lambda: y_predict))

@@ -19,7 +19,7 @@ import lineax as lx
 import numpy as np
 from diffrax import AbstractAdaptiveSolver, AbstractLocalInterpolation, RESULTS
 
-from .._linear_solver import matrix_free, StructuredLinearSolver
+from .._linear_solver import jvp_product, matrix_free, StructuredLinearSolver
 from .._materialise import solver_operator
 
 
@@ -333,6 +333,22 @@ def _stages(tab: _RodasTableau, g, solve, t0, h, flat0, dtype):
     return flat0 + _combine(tab.b, ks), _combine(tab.btilde, ks), g0, ks, result
 
 
+def _check_tolerances(solver):
+    # Both or neither, as `diffrax.PIDController` takes both with no default: an `atol`
+    # is on the scale of the state, so no default fits every problem, and with `rtol`
+    # alone the weights `atol + rtol |y0|` are undefined (with `atol` alone it would be
+    # silently unused).
+    if (solver.rtol is None) != (solver.atol is None):
+        name = f"diffrax_linearize.{type(solver).__name__}"
+        given, missing = ("rtol", "atol") if solver.atol is None else ("atol", "rtol")
+        raise ValueError(
+            f"`{name}({given}=...)` was given without `{missing}`: pass both, the "
+            f"step-size controller's (`{name}(rtol=..., atol=...)` with the same values "
+            "as `diffrax.PIDController(rtol=..., atol=...)`), or neither, to keep "
+            "GMRES's own tolerance."
+        )
+
+
 # The stage solves' tolerance on the GMRES path, in the error weights `atol + rtol |y0|`
 # of the step: GMRES stops at `linear_fraction` (0.05) of it. A Rosenbrock step has no
 # Newton iteration to absorb a linear solve's error, and its stages combine the increments
@@ -349,13 +365,10 @@ def _stage_solver(solver, W, state, g, t0, flat0, gamma, exact: bool):
     over the state where the materialised operator's product gathers every entry."""
     dtype = flat0.dtype
     if exact:
-        # Without derivatives, as the factorisation: lineax differentiates the solve
-        # through `W`, not through its state.
-        t, y = jax.lax.stop_gradient((t0, flat0))
+        jv = jvp_product(g, t0, flat0)
 
         def mv(v):
-            _, jv = jax.jvp(lambda z: g(t, z), (y,), (v,))
-            return v / gamma - jv
+            return v / gamma - jv(v)
 
         state = matrix_free(state, mv, W)
     options = {}
@@ -401,6 +414,9 @@ class AbstractRodas(AbstractAdaptiveSolver):
 
     term_structure: ClassVar = diffrax.AbstractTerm
     interpolation_cls: ClassVar = _RodasInterpolation
+
+    def __check_init__(self):
+        _check_tolerances(self)
 
     def order(self, terms):
         return self.tableau.order
@@ -491,8 +507,9 @@ class Rodas5P(AbstractRodas):
         [`diffrax_linearize.StructuredLinearSolver`][] only: its stage solves then stop
         when the root mean square of the residual over `atol + rtol |y0|` is below
         `linear_fraction` (0.05) times 1e-2, rather than at GMRES's own 1e-10 (no finer
-        than the dtype resolves). `None` (the default) keeps 1e-10. A Rosenbrock solver
-        has no root finder through which `diffrax.diffeqsolve` could pass them.
+        than the dtype resolves). `None` (the default) keeps 1e-10. Give both or
+        neither. A Rosenbrock solver has no root finder through which
+        `diffrax.diffeqsolve` could pass them.
 
     ```python
     import diffrax
@@ -547,8 +564,9 @@ class Rodas4P(AbstractRodas):
         [`diffrax_linearize.StructuredLinearSolver`][] only: its stage solves then stop
         when the root mean square of the residual over `atol + rtol |y0|` is below
         `linear_fraction` (0.05) times 1e-2, rather than at GMRES's own 1e-10 (no finer
-        than the dtype resolves). `None` (the default) keeps 1e-10. A Rosenbrock solver
-        has no root finder through which `diffrax.diffeqsolve` could pass them.
+        than the dtype resolves). `None` (the default) keeps 1e-10. Give both or
+        neither. A Rosenbrock solver has no root finder through which
+        `diffrax.diffeqsolve` could pass them.
 
     ```python
     import diffrax
@@ -694,6 +712,7 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
     interpolation_cls: ClassVar = diffrax.ThirdOrderHermitePolynomialInterpolation.from_k
 
     def __check_init__(self):
+        _check_tolerances(self)
         if not (isinstance(self.jacobian_every, int) and self.jacobian_every >= 1):
             raise ValueError(
                 f"`diffrax_linearize.{type(self).__name__}(jacobian_every=...)` must be "
@@ -826,8 +845,9 @@ class ROS34PW2(AbstractRosenbrockW):
         [`diffrax_linearize.StructuredLinearSolver`][] only: its stage solves then stop
         when the root mean square of the residual over `atol + rtol |y0|` is below
         `linear_fraction` (0.05) times 1e-2, rather than at GMRES's own 1e-10 (no finer
-        than the dtype resolves). `None` (the default) keeps 1e-10. A Rosenbrock solver
-        has no root finder through which `diffrax.diffeqsolve` could pass them.
+        than the dtype resolves). `None` (the default) keeps 1e-10. Give both or
+        neither. A Rosenbrock solver has no root finder through which
+        `diffrax.diffeqsolve` could pass them.
     - `jacobian_every`: the most steps one Jacobian serves; 20 by default, CVODE's
         interval between linear-solver setups (`MSBP`): a W-method keeps its order
         with any Jacobian, so this bounds only how far stability and the error
