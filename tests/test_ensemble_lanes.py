@@ -159,8 +159,14 @@ def _solve_case(case, lanes):
 # `ImplicitItoMilstein` with lanes is checked to the tolerance only, below.
 # In the slow suite (the default one is near its 10-minute budget on 2 cores): Diffrax's
 # explicit SDE solver with lanes (ours covers the path), as many lanes as paths, and BDF
-# without lanes (Kvaerno3 and ImplicitItoMilstein cover the implicit solvers there).
-_SLOW = {("Heun, PI", 3), ("ItoMilstein, PID", len(SDE_RATES)), ("BDF ODE", None)}
+# and Kvaerno3 without lanes (ImplicitItoMilstein covers the implicit solvers there; both
+# run with lanes).
+_SLOW = {
+    ("Heun, PI", 3),
+    ("ItoMilstein, PID", len(SDE_RATES)),
+    ("BDF ODE", None),
+    ("Kvaerno3 ODE, saveat fn", None),
+}
 
 
 @pytest.mark.parametrize(

@@ -333,7 +333,10 @@ def _split_rhs(t, uv, args):
     return jnp.concatenate([z.real, z.imag])
 
 
-@pytest.mark.parametrize("solver", [dl.Rodas5P, dl.Rodas4P, dl.ROS34PW2])
+# Rodas4P shares Rodas5P's step (`AbstractRodas`): in the slow suite.
+@pytest.mark.parametrize(
+    "solver", [dl.Rodas5P, pytest.param(dl.Rodas4P, marks=pytest.mark.slow), dl.ROS34PW2]
+)
 def test_complex_state(solver):
     """A complex state (found by Diffrax's `test_ode_order[complex128-*]` in
     `tests/diffrax_suite.py --stiff`; it raised in `materialise_operator` before): the
