@@ -653,6 +653,11 @@ class StructuredLinearSolver(lx.AbstractLinearSolver):
                 f"`{_API}` solves square systems; the operator maps {operator.in_size()} "
                 f"to {operator.out_size()} elements."
             )
+        if operator.in_size() == 0:
+            # A state with no entries: lineax's `Diagonal` solver takes the largest entry of
+            # the diagonal (its rank check), which an empty one has not; the dense LU of a
+            # 0 x 0 matrix solves it exactly, with an empty solution.
+            return _dense(operator, options)
         return _factor(operator, self, options)
 
     def compute(self, state, vector, options):

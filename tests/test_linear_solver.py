@@ -289,3 +289,16 @@ def test_jvp_product():
     np.testing.assert_allclose(_linear_solver.jvp_product(g, t, y)(v), expected, rtol=1e-14)
     grads = jax.grad(lambda t, y: jnp.sum(_linear_solver.jvp_product(g, t, y)(v)), (0, 1))(t, y)
     assert float(grads[0]) == 0 and not np.any(grads[1])
+
+
+def test_system_with_no_entries():
+    # lineax's `Diagonal` solver failed on an empty diagonal ("zero-size array to
+    # reduction operation max"), which a state with no entries makes (Diffrax's own
+    # `test_basic` solves one).
+    y = jnp.zeros(0)
+    for op in (
+        dl.materialise_operator(lambda y: y - 0.1 * jnp.sin(y), y),
+        lx.MatrixLinearOperator(jnp.zeros((0, 0))),
+    ):
+        out = jax.jit(lambda b: lx.linear_solve(op, b, dl.StructuredLinearSolver()).value)(y)
+        assert out.shape == (0,)
