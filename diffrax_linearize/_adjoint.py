@@ -21,10 +21,10 @@ from typing import Any, ClassVar
 import diffrax
 import equinox as eqx
 import jax
-import jax.flatten_util as jfu
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import optimistix as optx
 from jaxtyping import PyTree
 
 from ._compat import (
@@ -540,12 +540,14 @@ def _recomputed_distance(controller):
     if rtol is None or atol is None:
         return None
 
+    def scaled(back, forward):
+        return (back - forward) / (atol + rtol * jnp.abs(forward))
+
     def distance(y_back, y):
-        flat_back, _ = jfu.ravel_pytree(y_back)
-        flat, _ = jfu.ravel_pytree(y)
+        # `optimistix.rms_norm`, the controller's default norm: 0 for a state with no
+        # entries, where a mean over none is NaN.
         with jax.numpy_dtype_promotion("standard"):
-            scale = atol + rtol * jnp.abs(flat)
-            return jnp.sqrt(jnp.mean(((flat_back - flat) / scale) ** 2))
+            return optx.rms_norm(jtu.tree_map(scaled, y_back, y))
 
     return distance
 
