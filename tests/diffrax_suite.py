@@ -302,14 +302,12 @@ def pytest_generate_tests(metafunc):
         return
     if not added:
         return
-    import diffrax_linearize as dl
-
     markers = metafunc.definition.own_markers
     for i, mark in enumerate(markers):
         if mark.name == "parametrize" and mark.args[0] == "solver":
             values = list(mark.args[1])
             ids = [f"solver{j}" for j in range(len(values))]
-            values += [eval(f"dl.{ctor}", {"dl": dl}) for ctor in added.values()]
+            values += [_ours(ctor) for ctor in added.values()]
             markers[i] = pytest.mark.parametrize("solver", values, ids=ids + list(added)).mark
 
 
@@ -393,15 +391,22 @@ class _StandIn(type):
         return getattr(cls.original, name)
 
 
-def _substitute_stiff_solvers() -> None:
-    import diffrax
+def _ours(ctor: str):
+    """`diffrax_linearize.<ctor>`: the solver that a constructor of `STIFF_SUBSTITUTES` or
+    `STIFF_ADDED` writes out (as text, so that the tables read as the leg's record)."""
     import diffrax_linearize as dl
 
+    return eval(f"dl.{ctor}", {"dl": dl})
+
+
+def _substitute_stiff_solvers() -> None:
+    import diffrax
+
     for name, ctor in STIFF_SUBSTITUTES.items():
-        example = eval(f"dl.{ctor}", {"dl": dl})
+        example = _ours(ctor)
 
         def build(ctor=ctor):
-            return eval(f"dl.{ctor}", {"dl": dl})
+            return _ours(ctor)
 
         def is_ours(obj, example=example):
             # The BDF stands in for `ImplicitEuler` at order 1 only: the added BDFs of
