@@ -325,6 +325,7 @@ def _stiff_peers(data: dict) -> list[str]:
         markdown_table(table, columns),
         "",
     ]
+    out += _equal_accuracy(data.get("equal_accuracy", []))
     per_step = {**data.get("per_step", {}), **data.get("loop_floor", {})}
     if per_step:
         steps = [
@@ -346,6 +347,51 @@ def _stiff_peers(data: dict) -> list[str]:
         ]
     note = data.get("note")
     return out + ([f"{note}", ""] if note else [])
+
+
+def _equal_accuracy(rows: list[dict]) -> list[str]:
+    """Per case and rtol, the peer that ours is furthest behind at equal accuracy (the
+    largest ours / peer, of `stiff_peers.equal_accuracy`)."""
+    worst = {}
+    for r in rows:
+        key = (r["problem"], r["size"], r["rtol"])
+        if r["ratio"] is not None and r["ratio"] > worst.get(key, {}).get("ratio", -1):
+            worst[key] = r
+    if not worst:
+        return []
+    table = []
+    for (problem, size, rtol), r in worst.items():
+        lo, hi = r["ours_rtols"]
+        table.append(
+            dict(
+                case=f"{problem} {size}, rtol {rtol:g}",
+                peer=f"{r['peer']}: {fmt_time(r['peer_s'])}, {r['digits']:.2f} digits",
+                ours=fmt_time(r["ours_s"]),
+                bracket=(
+                    f"rtol {lo:.3g} to {hi:.3g} ({r['gap']:.2f} digits apart)"
+                    if r["how"] == "interpolated"
+                    else f"at most: rtol {lo:.3g} gives more digits"
+                ),
+                ratio=fmt_ratio(r["ratio"]),
+            )
+        )
+    columns = [
+        ("case", "case"),
+        ("peer", "peer (CVODE, diffsol, casadi) furthest ahead"),
+        ("ours", f"{r['ours']} at its digits"),
+        ("bracket", "read between"),
+        ("ratio", "ours / peer"),
+    ]
+    return [
+        "At equal accuracy: the time of ours at each peer's significant correct digits, "
+        "log-time interpolated in digits between the two of ours' runs that first bracket "
+        "them as its rtol tightens (`stiff_peers.time_at_digits`; ours is also solved at "
+        "quarter decades of rtol for this, the small open markers of the plot); per case "
+        "and rtol the peer with the largest ratio ours / peer, by fastest runs.",
+        "",
+        markdown_table(table, columns),
+        "",
+    ]
 
 
 def _materialise(data: dict) -> list[str]:

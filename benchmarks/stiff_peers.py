@@ -38,6 +38,14 @@ contender's fastest run, with how far its median lay above it; ratios are ours /
 contender's, by fastest runs, same case. Ours and Diffrax's are compiled once per case,
 the tolerances being arguments of the compiled solve (`compile_s` is that one compile).
 
+Equal accuracy (`equal_accuracy`, issue 23's acceptance on the Brusselator): for each run
+of CVODE, diffsol and casadi, the time of "ours BDF var" at that run's significant correct
+digits, log-time interpolated in digits between two of ours' runs (`time_at_digits`). Two
+decades of rtol are about two digits apart, so on the Brusselator ours is also solved at
+the quarter decades of rtol between them (rows marked `between`, same settings and timing
+rule, timed alone; left out of the summary table, small open markers in the plot), and
+the reading spans a quarter of a decade.
+
     python -m benchmarks stiff-peers [--quick]
     python -m benchmarks.stiff_peers --problems brusselator_2d --sizes 64 --update
     python -m benchmarks.stiff_peers --methods "ours BDF" --update
@@ -636,18 +644,22 @@ def _with_sym(rhs):
 
 
 def _run_case(
-    problem, size, rhs_jnp, rhs_np, y0, t1, ref, rtols, ratio, methods, slow_s, skip=None, **kw
-):
+    problem, size, rhs_jnp, rhs_np, y0, t1, ref, rtols, ratio, methods, slow_s, skip=None,
+    between=(), **kw
+):  # fmt: skip
     """Every contender in `methods` at every rtol: a row with its time and digits, or a row
     with a note (not installed, failed, skipped); `skip` maps contenders not run to the reason.
     The contenders of one rtol are timed interleaved (`time_round_robin`: three rounds and at
-    least 0.5 s of timed solves each, a contender stopping after 20 s)."""
+    least 0.5 s of timed solves each, a contender stopping after 20 s). `between`: rtols
+    between those of `rtols` at which only the contenders of `BETWEEN_METHODS` run, timed
+    by the same rule, in rows marked `between` (for `equal_accuracy`)."""
     rows, too_slow, skip = [], set(), skip or {}
     compiled = {}  # one compile per contender, for every tolerance
-    for rtol in rtols:
+    for rtol in sorted({*rtols, *between}, reverse=True):
         atol = rtol * ratio
         ready, info, notes = {}, {}, {}
-        for method in methods:
+        inner = rtol not in rtols
+        for method in [m for m in methods if m in BETWEEN_METHODS] if inner else methods:
             if method in skip:
                 notes[method] = f"skipped: {skip[method]}"
                 continue
@@ -674,8 +686,10 @@ def _run_case(
             else:
                 ready[method] = (call, finish)
         outputs, timings = _round_robin(ready, notes)
-        for method in methods:
+        for method in [m for m in methods if m in ready or m in notes]:
             base = {"problem": problem, "size": size, "rtol": rtol, "atol": atol, "method": method}
+            if inner:
+                base["between"] = True
             if method in notes:
                 rows.append({**base, "note": notes[method]})
                 continue
@@ -740,6 +754,28 @@ def _big_rtols(quick):
     return [1e-6] if quick else [1e-4, 1e-6, 1e-8]
 
 
+# The acceptance of issue 23 compares ours with the fastest of CVODE, diffsol and casadi at
+# equal accuracy on the Brusselator. Two decades of rtol are two digits apart, too far to
+# read ours' time at a peer's digits between them: `BETWEEN_METHODS` are also solved at
+# the quarter decades between (`_between_rtols`), with the same settings and timing rule.
+BETWEEN_METHODS = ("ours BDF var",)
+EQUAL_ACCURACY = {
+    "brusselator_2d": ("ours BDF var", ("CVODE", "CVODE GMRES", "diffsol BDF", "casadi cvodes"))
+}  # noqa: E501
+
+
+def _between_rtols(rtols):
+    """The quarter decades strictly between the loosest and the tightest of `rtols` (decades
+    of rtol), those of `rtols` left out."""
+    decades = [round(-math.log10(r)) for r in rtols]
+    return [
+        10.0 ** -(d + k / 4)
+        for d in range(min(decades), max(decades))
+        for k in range(4)
+        if k or d not in decades
+    ]
+
+
 def _test_set_case(name, quick):
     rhs, y0, t1, ref, ratio = TEST_SET[name]
     return dict(
@@ -777,6 +813,7 @@ def _brusselator_case(n, quick):
         rhs_jnp=brusselator_2d, rhs_np=bruss_np, y0=y0, t1=1.0, ref=ref,
         rtols=_big_rtols(quick), ratio=1e-2, methods=JAX_METHODS + PEERS, skip=skip,
         sparsity=sp, large=("brusselator", n),
+        between=[] if quick else _between_rtols(_big_rtols(quick)),
     )  # fmt: skip
 
 
@@ -887,6 +924,7 @@ def run(
         "peer_versions": _peer_versions(),
         "reference_check_mescd": check,
         "per_step": _per_step(rows),
+        "equal_accuracy": equal_accuracy(rows),
         "loop_floor": loop_floor,
         "summary": summary,
         "markdown_table": table,
@@ -997,7 +1035,8 @@ def _summary(rows):
         for r in rows
     }
     out = []
-    for r in rows:
+    # The rows between decades of rtol serve `equal_accuracy` (and the plot), not this table.
+    for r in (r for r in rows if not r.get("between")):
         key = (r["problem"], r["size"], r["rtol"])
         t = r.get("run_min_s", r.get("run_s"))
         s = {
@@ -1020,11 +1059,62 @@ def _summary(rows):
     return out
 
 
+def time_at_digits(points, digits):
+    """A contender's time at `digits` significant correct digits, from its runs `points`,
+    `(rtol, mescd, time)`: along its runs from the loosest rtol to the tightest, at the
+    first pair of neighbours whose digits bracket `digits`, log-time interpolated linearly
+    in digits (a work-precision curve is not monotone: the first crossing is the one a
+    user tightening the tolerance meets). Returns `(time, how, rtols, gap)`: `how` is
+    `"interpolated"` (`rtols` the pair, `gap` their digits apart), `"at most"` when the
+    loosest run already has `digits` or more (its time, an upper bound; `gap` 0), or
+    `None` when no run reaches `digits` (nothing is extrapolated)."""
+    pts = sorted(((r, m, t) for r, m, t in points if m is not None and t), reverse=True)
+    if not pts:
+        return None
+    if pts[0][1] >= digits:
+        return pts[0][2], "at most", (pts[0][0], pts[0][0]), 0.0
+    for (r0, m0, t0), (r1, m1, t1) in zip(pts, pts[1:]):
+        if m0 < digits <= m1:
+            w = (digits - m0) / (m1 - m0)
+            t = math.exp((1 - w) * math.log(t0) + w * math.log(t1))
+            return t, "interpolated", (r0, r1), m1 - m0
+    return None
+
+
+def equal_accuracy(rows):
+    """For each case of `EQUAL_ACCURACY` and each run of its peers there: the time of ours
+    at that run's digits (`time_at_digits`, over ours' runs at every rtol, the
+    `between` ones included), and ours / the peer's."""
+    out = []
+    for r in rows:
+        if r["problem"] not in EQUAL_ACCURACY or r.get("mescd") is None or r.get("between"):
+            continue
+        ours, peers = EQUAL_ACCURACY[r["problem"]]
+        if r["method"] not in peers or not r.get("run_min_s"):
+            continue
+        points = [
+            (o["rtol"], o.get("mescd"), o.get("run_min_s"))
+            for o in rows
+            if (o["problem"], o["size"], o["method"]) == (r["problem"], r["size"], ours)
+        ]
+        found = time_at_digits(points, r["mescd"])
+        t, how, rtols, gap = found if found else (None, None, None, None)
+        out.append(
+            dict(
+                problem=r["problem"], size=r["size"], rtol=r["rtol"], peer=r["method"],
+                peer_s=r["run_min_s"], digits=r["mescd"], ours=ours, ours_s=t, how=how,
+                ours_rtols=rtols, gap=gap, ratio=t / r["run_min_s"] if t else None,
+            )
+        )  # fmt: skip
+    return out
+
+
 def derive(data: dict) -> dict:
     """`data` with its summary, table and cost per step recomputed from its rows."""
     summary = _summary(data["rows"])
     return dict(
         data,
+        equal_accuracy=equal_accuracy(data["rows"]),
         per_step=_per_step(data["rows"]),
         summary=summary,
         markdown_table=markdown_table(summary, SUMMARY_COLUMNS),
@@ -1038,18 +1128,27 @@ def plot(rows, quick=False, out=None):
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
     for ax, (problem, size) in zip(axes.ravel(), cases):
         for k, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
-            pts = sorted(
-                (r["mescd"], r.get("run_min_s", r["run_s"])) for r in rows
+            mine = [
+                r for r in rows
                 if (r["problem"], r["size"], r["method"]) == (problem, size, method) and r.get("mescd") is not None  # noqa: E501
-            )  # fmt: skip
+            ]  # fmt: skip
+            pts = sorted(
+                (r["mescd"], r.get("run_min_s", r["run_s"])) for r in mine if not r.get("between")
+            )  # noqa: E501
+            color = f"C{k % 10}" if k < 10 else "k"
             if pts:
                 ax.semilogy(
                     *zip(*pts),
                     "o-" if method.startswith("ours") else "s--",
                     label=method,
                     ms=4,
-                    color=f"C{k % 10}" if k < 10 else "k",
+                    color=color,
                 )  # noqa: E501
+            # The runs between decades of rtol (for `equal_accuracy`): small open
+            # markers off the line, so that each line still has one point a decade.
+            inner = [(r["mescd"], r["run_min_s"]) for r in mine if r.get("between")]
+            if inner:
+                ax.semilogy(*zip(*inner), "o", ms=3, mfc="none", mew=0.6, color=color)
         ax.set_title(f"{problem} ({size})", fontsize=9)
         ax.set_xlabel("significant correct digits (mescd)", fontsize=8)
         ax.set_ylabel("time, fastest run (s)", fontsize=8)

@@ -374,3 +374,72 @@ def test_stiff_peers_full_and_quick_sweeps_keep_their_cases():
         stiff_peers.main(["--update"])  # names no case
     with pytest.raises(SystemExit):
         stiff_peers.main(["--problems", "HIRES", "--sizes", "64", "--update"])
+
+
+def test_stiff_peers_time_at_digits_by_hand():
+    # Ours' runs from the loosest rtol: 4.0 digits in 40 ms, 5.0 in 80 ms, 4.8 in 70 ms (a
+    # work-precision curve is not monotone), 6.0 in 100 ms.
+    from benchmarks.stiff_peers import time_at_digits
+
+    points = [(1e-5, 6.0, 0.1), (1e-4, 4.0, 0.04), (10**-4.25, 5.0, 0.08), (10**-4.5, 4.8, 0.07)]
+    t, how, rtols, gap = time_at_digits(points, 4.5)
+    # Half way in digits between 40 and 80 ms: their geometric mean.
+    assert how == "interpolated" and rtols == (1e-4, 10**-4.25) and gap == 1.0
+    assert t == pytest.approx(math.sqrt(0.04 * 0.08))
+    # The first crossing as the rtol tightens, not the pair (4.8, 5.0) nearer in digits.
+    assert time_at_digits(points, 4.9)[2] == (1e-4, 10**-4.25)
+    # 5.5 digits: first bracketed by 4.8 (70 ms) and 6.0 (100 ms), 0.7 / 1.2 of the way.
+    t, how, rtols, gap = time_at_digits(points, 5.5)
+    assert rtols == (10**-4.5, 1e-5) and gap == pytest.approx(1.2)
+    assert t == pytest.approx(0.07 ** (5 / 12) * 0.1 ** (7 / 12))
+    # Below the loosest run's digits: its time, a bound; above every run's: none.
+    assert time_at_digits(points, 3.5) == (0.04, "at most", (1e-4, 1e-4), 0.0)
+    assert time_at_digits(points, 6.5) is None
+    assert time_at_digits([(1e-4, None, None)], 4.0) is None
+
+
+def test_stiff_peers_equal_accuracy_rows():
+    # The runs between decades of rtol serve the equal-accuracy reading (and report.py's
+    # table of it) but not the per-row summary; only the peers and problems it names count.
+    from benchmarks import stiff_peers
+
+    def row(rtol, method, mescd, run_min_s, problem="brusselator_2d", **extra):
+        fake = _fake_stiff_peers_row(problem, 64, rtol, method, run_min_s=run_min_s, **extra)
+        return {**fake, "mescd": mescd}
+
+    ours = "ours BDF var"
+    rows = [
+        row(1e-4, ours, 4.0, 0.04),
+        row(1e-4, "CVODE GMRES", 4.5, 0.05),
+        row(1e-4, "diffsol BDF", 4.2, 0.03),
+        row(1e-4, "scipy BDF", 4.5, 0.001),
+        row(1e-4, "CVODE GMRES", 4.5, 0.05, problem="HIRES"),
+        row(10**-4.25, ours, 5.0, 0.08, between=True),
+        row(1e-6, ours, 6.0, 0.1),
+    ]
+    got = stiff_peers.equal_accuracy(rows)
+    assert [(r["peer"], r["how"]) for r in got] == [
+        ("CVODE GMRES", "interpolated"),
+        ("diffsol BDF", "interpolated"),
+    ]
+    assert got[0]["ratio"] == pytest.approx(math.sqrt(0.04 * 0.08) / 0.05)
+    # 4.2 digits: a fifth of the way from 40 to 80 ms.
+    assert got[1]["ours_s"] == pytest.approx(0.04 * 2**0.2)
+    assert got[0]["ours_rtols"] == (1e-4, 10**-4.25) and got[0]["gap"] == 1.0
+    cases = [(s["case"], s["method"]) for s in stiff_peers._summary(rows)]
+    assert ("brusselator_2d 64, rtol 1e-06", ours) in cases
+    assert not any("rtol 5.6" in c for c, _ in cases) and len(cases) == 6
+    # report.py's table: per case and rtol the peer ours is furthest behind.
+    text = "\n".join(report._equal_accuracy(got))
+    # diffsol: 30 ms, where ours takes 40 * 2**0.2 = 45.9 ms; CVODE GMRES only 1.13x.
+    assert "diffsol BDF: 30.00 ms, 4.20 digits" in text and "| 1.53x |" in text
+    assert "CVODE GMRES" not in text
+
+
+def test_stiff_peers_between_rtols():
+    from benchmarks import stiff_peers
+
+    got = stiff_peers._between_rtols([1e-4, 1e-6, 1e-8])
+    # Every quarter decade from 1e-4 to 1e-8 but the two ends and 1e-6.
+    want = [10 ** -(d + k / 4) for d in (4, 5, 6, 7) for k in range(4) if (d, k) != (6, 0)][1:]
+    assert got == pytest.approx(want, rel=1e-12)
