@@ -815,11 +815,59 @@ def run(quick: bool = False) -> list[dict]:
 
 # ---- where the time of an adaptive loop iteration goes --------------------------------------
 
+
+class _WithoutEstimate(dfx.AbstractAdaptiveSolver, dfx.AbstractWrappedSolver):
+    """`solver`, its error estimate replaced by zeros: with a step-size controller, the
+    controller's work without the estimate's (which the compiler then drops). Not a
+    `diffrax.HalfSolver`, which the general-noise solvers refuse."""
+
+    solver: dfx.AbstractSolver
+
+    @property
+    def term_structure(self):
+        return self.solver.term_structure
+
+    @property
+    def interpolation_cls(self):  # pyright: ignore
+        return self.solver.interpolation_cls
+
+    @property
+    def term_compatible_contr_kwargs(self):
+        return self.solver.term_compatible_contr_kwargs
+
+    @property
+    def root_finder(self):
+        # Diffrax 0.7.2's `diffeqsolve` looks it up on an implicit solver's wrapper.
+        return self.solver.root_finder
+
+    def order(self, terms):
+        return self.solver.order(terms)
+
+    def strong_order(self, terms):
+        return self.solver.strong_order(terms)
+
+    def error_order(self, terms):
+        return self.solver.error_order(terms)
+
+    def init(self, terms, t0, t1, y0, args):
+        return self.solver.init(terms, t0, t1, y0, args)
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        y1, y_error, dense, state, result = self.solver.step(
+            terms, t0, t1, y0, args, solver_state, made_jump
+        )
+        return y1, jax.tree.map(jnp.zeros_like, y_error), dense, state, result
+
+    def func(self, terms, t0, y0, args):
+        return self.solver.func(terms, t0, y0, args)
+
+
 BREAKDOWN_DT = 2.0**-7
 # What each variant adds to the one before it (`breakdown`).
 BREAKDOWN = (
     ("fixed", "ours at a fixed step, its step times shared by the whole batch"),
     ("fixed, per-path times", "the same steps with `dt0` given per path: every time an array"),
+    ("adaptive, controller only", "PIDController on a zero error estimate, the step capped"),
     ("adaptive, all accepted", "PIDController, tolerances so loose that every step is accepted"),
     ("adaptive", f"PIDController at rtol = atol = {TARGET_RTOL:g}, as in the work-precision rows"),
 )
@@ -897,12 +945,17 @@ def _breakdown_problem(name, problem, keys, n_ref, grid, quick) -> list[dict]:
     # the controller's work on every step, and the fixed contender's steps.
     loose = dict(CONTROLLER, rtol=1e6, atol=1e6, dtmax=BREAKDOWN_DT)
     all_accepted = dict(adaptive, controller=loose, dt0=BREAKDOWN_DT)
+    controller_only = dict(all_accepted, solver=_WithoutEstimate(problem["ours"]))
     per_path = jnp.full(n_paths, BREAKDOWN_DT)
     fns = {
         "fixed": (_make_solve(problem, fixed, n_ref, n_ref), (keys, BREAKDOWN_DT)),
         "fixed, per-path times": (
             _make_solve(problem, fixed, n_ref, n_ref, param_axis=0),
             (keys, per_path),
+        ),
+        "adaptive, controller only": (
+            _make_solve(problem, controller_only, n_ref, n_ref),
+            (keys, 0.0),
         ),
         "adaptive, all accepted": (_make_solve(problem, all_accepted, n_ref, n_ref), (keys, 0.0)),
         "adaptive": (_make_solve(problem, adaptive, n_ref, n_ref), (keys, TARGET_RTOL)),

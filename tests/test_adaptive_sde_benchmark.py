@@ -251,6 +251,7 @@ def test_breakdown_variants_take_the_fixed_steps():
     fixed = dict(solver=problem["ours"], ito=True, adaptive=False, grid=True)
     loose = dict(bench.CONTROLLER, rtol=1e6, atol=1e6, dtmax=dt)
     accepted = dict(fixed, adaptive=True, controller=loose, dt0=dt)
+    controller_only = dict(accepted, solver=bench._WithoutEstimate(problem["ours"]))
 
     @jax.jit
     def solves(keys):
@@ -258,13 +259,16 @@ def test_breakdown_variants_take_the_fixed_steps():
             bench._make_solve(problem, fixed, n_ref, n_ref)(keys, dt),
             bench._make_solve(problem, fixed, n_ref, n_ref, param_axis=0)(keys, jnp.full(3, dt)),
             bench._make_solve(problem, accepted, n_ref, n_ref)(keys, 0.0),
+            bench._make_solve(problem, controller_only, n_ref, n_ref)(keys, 0.0),
         )
 
-    (y, steps, ok), (y_path, steps_path, _), (y_acc, steps_acc, ok_acc) = solves(keys)
-    assert bool(jnp.all(ok)) and bool(jnp.all(ok_acc))
+    (y, steps, ok), (y_path, steps_path, _), *adaptive = solves(keys)
+    assert bool(jnp.all(ok))
     assert np.all(np.asarray(steps) == 16) and np.all(np.asarray(steps_path) == 16)
-    assert np.all(np.asarray(steps_acc) == 16)
     np.testing.assert_allclose(y_path, y, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(y_acc, y, rtol=1e-10, atol=1e-10)
+    for y_adaptive, steps_adaptive, ok_adaptive in adaptive:
+        assert bool(jnp.all(ok_adaptive))
+        assert np.all(np.asarray(steps_adaptive) == 16)
+        np.testing.assert_allclose(y_adaptive, y, rtol=1e-10, atol=1e-10)
     # Not a solve that ignores the path: another path lands elsewhere.
     assert float(jnp.max(jnp.abs(y[0] - y[1]))) > 1e-3
