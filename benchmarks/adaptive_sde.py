@@ -88,6 +88,40 @@ where lanes pay: paths whose step counts spread widely). The ratios by steps
 per path (the mean, what each path needs on its own) are the lockstep-free comparison; the
 ratio of `max_steps_path` to `steps` of an adaptive row is what the lockstep adds to its time.
 
+Where the time of an adaptive step goes (`--breakdown`, written as `adaptive_sde_breakdown`;
+hB, 2026-12-05, rough, loaded machine). By time, fixed / adaptive at equal error is the
+ratio by mean steps divided by the lockstep (`max_steps_path / steps` of the adaptive row,
+about 1.23-1.25 on all three SDEs at `TARGET_RTOL`) and by the cost of an adaptive loop
+iteration over a fixed one, which the breakdown splits: ours at a fixed step; the same steps
+with per-path step times; the controller on a zero estimate (`_WithoutEstimate`); the
+estimate too, every step accepted; adaptive at `TARGET_RTOL`. It also counts the kernels
+XLA's CPU runtime launches per iteration, from the compiled program, which no load disturbs.
+On the Brownian-tree SDEs the tree's two descents per step (to t0 and to t1, 16 levels each
+at the reference's `tol`, a key split and normal samples per level) are 97-99% of an
+iteration (the same SDEs on the grid path, which exposes the solver: 10-70 us against 1.6-2
+ms per iteration of 128 paths), so an adaptive iteration costs what a fixed one does within
+the noise; and the drift-implicit adaptive step, Newton iterations, estimate and Shampine
+filter included, costs no more per iteration than the fixed one (on the grid path: level
+with every step accepted, less at `TARGET_RTOL`'s smaller steps). There, 2x by time needs
+about 2.5x by mean steps. On the non-commutative SDE (grid path, two unknowns) an iteration
+is bound by kernel launches, not arithmetic: 33 kernels fixed, 36-38 with per-path times
+(whose two row reads become per-path gathers, dearer than the shared slices), about 9 more
+for the controller and 7 for the estimate (52-54); times 1.5x to 3x a fixed iteration across
+runs (per-path times alone 1.2x to 1.6x; in the quietest run, on 32 paths: per-path times
+1.34x, with the controller 1.62x, with the estimate 1.68x, adaptive at `TARGET_RTOL` 1.76x,
+so the estimate is the smallest part by time). Even a free estimate and controller would
+leave the per-path times and the lockstep, so 2x by time would need about 2 x 1.25 x (1.2 to
+1.6), 3x to 4x, by mean steps, where the recorded run has 2.57x: out of reach for this
+benchmark's ensemble of two-unknown paths, as for any vmapped adaptive solve whose iteration
+costs launches rather than flops. Tried and not kept: reading both grid rows in one gather
+(the fixed contender then gathers instead of slicing and got slower, the adaptive one level
+within the noise); step-size controllers beyond those above (PI (0.3, 0.4) with
+`factormax=2`, `factormin=0.5`, `safety` 0.8 or 0.95, a `dcoeff` of 0.1, PI (0.2, 0.4)),
+whose ratios by steps at the target error moved within the noise of 32 paths (one path
+decides the RMS error) and none better on both the double well and the non-commutative SDE.
+Not tried: reusing the end-of-step drift and diffusion as the next step's (FSAL), which
+could remove at most the estimate's kernels.
+
 Acceptance ratios, per problem, at the RMS error of ours adaptive at rtol `TARGET_RTOL`:
 cost(ours at the best fixed step) / cost(ours adaptive) (goal >= 2), cost(HalfSolver(ours)) /
 cost(ours adaptive) (goal >= 1.5), cost(ours adaptive) / cost(Diffrax's best adaptive)
