@@ -88,6 +88,40 @@ where lanes pay: paths whose step counts spread widely). The ratios by steps
 per path (the mean, what each path needs on its own) are the lockstep-free comparison; the
 ratio of `max_steps_path` to `steps` of an adaptive row is what the lockstep adds to its time.
 
+Where the time of an adaptive step goes (`--breakdown`, written as `adaptive_sde_breakdown`;
+hB, 2026-12-05, rough, loaded machine). By time, fixed / adaptive at equal error is the
+ratio by mean steps divided by the lockstep (`max_steps_path / steps` of the adaptive row,
+about 1.23-1.25 on all three SDEs at `TARGET_RTOL`) and by the cost of an adaptive loop
+iteration over a fixed one, which the breakdown splits: ours at a fixed step; the same steps
+with per-path step times; the controller on a zero estimate (`_WithoutEstimate`); the
+estimate too, every step accepted; adaptive at `TARGET_RTOL`. It also counts the kernels
+XLA's CPU runtime launches per iteration, from the compiled program, which no load disturbs.
+On the Brownian-tree SDEs the tree's two descents per step (to t0 and to t1, 16 levels each
+at the reference's `tol`, a key split and normal samples per level) are 97-99% of an
+iteration (the same SDEs on the grid path, which exposes the solver: 10-70 us against 1.6-2
+ms per iteration of 128 paths), so an adaptive iteration costs what a fixed one does within
+the noise; and the drift-implicit adaptive step, Newton iterations, estimate and Shampine
+filter included, costs no more per iteration than the fixed one (on the grid path: level
+with every step accepted, less at `TARGET_RTOL`'s smaller steps). There, 2x by time needs
+about 2.5x by mean steps. On the non-commutative SDE (grid path, two unknowns) an iteration
+is bound by kernel launches, not arithmetic: 33 kernels fixed, 36-38 with per-path times
+(whose two row reads become per-path gathers, dearer than the shared slices), about 9 more
+for the controller and 7 for the estimate (52-54); times 1.5x to 3x a fixed iteration across
+runs (per-path times alone 1.2x to 1.6x; in the quietest run, on 32 paths: per-path times
+1.34x, with the controller 1.62x, with the estimate 1.68x, adaptive at `TARGET_RTOL` 1.76x,
+so the estimate is the smallest part by time). Even a free estimate and controller would
+leave the per-path times and the lockstep, so 2x by time would need about 2 x 1.25 x (1.2 to
+1.6), 3x to 4x, by mean steps, where the recorded run has 2.57x: out of reach for this
+benchmark's ensemble of two-unknown paths, as for any vmapped adaptive solve whose iteration
+costs launches rather than flops. Tried and not kept: reading both grid rows in one gather
+(the fixed contender then gathers instead of slicing and got slower, the adaptive one level
+within the noise); step-size controllers beyond those above (PI (0.3, 0.4) with
+`factormax=2`, `factormin=0.5`, `safety` 0.8 or 0.95, a `dcoeff` of 0.1, PI (0.2, 0.4)),
+whose ratios by steps at the target error moved within the noise of 32 paths (one path
+decides the RMS error) and none better on both the double well and the non-commutative SDE.
+Not tried: reusing the end-of-step drift and diffusion as the next step's (FSAL), which
+could remove at most the estimate's kernels.
+
 Acceptance ratios, per problem, at the RMS error of ours adaptive at rtol `TARGET_RTOL`:
 cost(ours at the best fixed step) / cost(ours adaptive) (goal >= 2), cost(HalfSolver(ours)) /
 cost(ours adaptive) (goal >= 1.5), cost(ours adaptive) / cost(Diffrax's best adaptive)
@@ -383,24 +417,30 @@ def _contenders(problem: dict, quick: bool) -> dict[str, dict]:
     return out
 
 
-def path_inputs(problem: dict, keys, n_ref: int):
+def path_inputs(problem: dict, keys, n_ref: int, grid: bool = False):
     """What `_make_solve`'s solves take for the paths: the keys of the Brownian trees, or for
-    general noise the grid data, sampled here once, outside the timed solves, so that every
-    contender reads the same arrays."""
-    if problem["noise"] != "general":
+    general noise (or with `grid`) the grid data, sampled here once, outside the timed
+    solves, so that every contender reads the same arrays."""
+    if problem["noise"] != "general" and not grid:
         return keys
     return jax.jit(jax.vmap(lambda k: _grid_data(k, n_ref)))(keys)
 
 
-def _make_solve(problem: dict, contender: dict, n_ref: int, max_steps: int):
+def _make_solve(
+    problem: dict, contender: dict, n_ref: int, max_steps: int, param_axis: int | None = None
+):
     """`solve(paths, param) -> (y(1), steps, ok)` over a batch of paths: `paths` the keys of
     the Brownian trees, or for general noise the grid data of `_grid_data` (sampled outside
-    the timed solve); `param` is rtol for an adaptive contender and dt for a fixed one."""
+    the timed solve); `param` is rtol for an adaptive contender and dt for a fixed one, one
+    for all paths (or one per path with `param_axis=0`). An adaptive contender's
+    `controller` options override the tolerances and `dtmin`; its `dt0` is Diffrax's
+    automatic first step unless it names one."""
     f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], problem["g"])
     g = problem["g"]
     y0 = jnp.asarray(problem["y0"])
     solver = contender["solver"]
-    general = problem["noise"] == "general"
+    # The grid path for general noise, and wherever a contender asks for it (`breakdown`).
+    general = problem["noise"] == "general" or contender.get("grid", False)
 
     def path(key):
         if general:
@@ -414,13 +454,9 @@ def _make_solve(problem: dict, contender: dict, n_ref: int, max_steps: int):
         bm = path(key)
         terms = dfx.MultiTerm(dfx.ODETerm(f), dfx.ControlTerm(g, bm))
         if contender["adaptive"]:
-            controller = dfx.PIDController(
-                rtol=param,
-                atol=param,
-                dtmin=T1 / n_ref if general else None,
-                **contender.get("controller", {}),
-            )
-            dt0 = None
+            options = dict(rtol=param, atol=param, dtmin=T1 / n_ref if general else None)
+            controller = dfx.PIDController(**{**options, **contender.get("controller", {})})
+            dt0 = contender.get("dt0")
         else:
             controller = dfx.ConstantStepSize()
             dt0 = param
@@ -437,7 +473,7 @@ def _make_solve(problem: dict, contender: dict, n_ref: int, max_steps: int):
         )
         return sol.ys[-1], sol.stats["num_steps"], sol.result == dfx.RESULTS.successful
 
-    return jax.vmap(one, in_axes=(0, None))
+    return jax.vmap(one, in_axes=(0, param_axis))
 
 
 def _calls_per_step(problem: dict, contender: dict) -> int:
@@ -811,6 +847,205 @@ def run(quick: bool = False) -> list[dict]:
     return rows
 
 
+# ---- where the time of an adaptive loop iteration goes --------------------------------------
+
+
+class _WithoutEstimate(dfx.AbstractAdaptiveSolver, dfx.AbstractWrappedSolver):
+    """`solver`, its error estimate replaced by zeros: with a step-size controller, the
+    controller's work without the estimate's (which the compiler then drops). Not a
+    `diffrax.HalfSolver`, which the general-noise solvers refuse."""
+
+    solver: dfx.AbstractSolver
+
+    @property
+    def term_structure(self):
+        return self.solver.term_structure
+
+    @property
+    def interpolation_cls(self):  # pyright: ignore
+        return self.solver.interpolation_cls
+
+    @property
+    def term_compatible_contr_kwargs(self):
+        return self.solver.term_compatible_contr_kwargs
+
+    @property
+    def root_finder(self):
+        # Diffrax 0.7.2's `diffeqsolve` looks it up on an implicit solver's wrapper.
+        return self.solver.root_finder
+
+    def order(self, terms):
+        return self.solver.order(terms)
+
+    def strong_order(self, terms):
+        return self.solver.strong_order(terms)
+
+    def error_order(self, terms):
+        return self.solver.error_order(terms)
+
+    def init(self, terms, t0, t1, y0, args):
+        return self.solver.init(terms, t0, t1, y0, args)
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        y1, y_error, dense, state, result = self.solver.step(
+            terms, t0, t1, y0, args, solver_state, made_jump
+        )
+        return y1, jax.tree.map(jnp.zeros_like, y_error), dense, state, result
+
+    def func(self, terms, t0, y0, args):
+        return self.solver.func(terms, t0, y0, args)
+
+
+BREAKDOWN_DT = 2.0**-7
+# What each variant adds to the one before it (`breakdown`).
+BREAKDOWN = (
+    ("fixed", "ours at a fixed step, its step times shared by the whole batch"),
+    ("fixed, per-path times", "the same steps with `dt0` given per path: every time an array"),
+    ("adaptive, controller only", "PIDController on a zero error estimate, the step capped"),
+    ("adaptive, all accepted", "PIDController, tolerances so loose that every step is accepted"),
+    ("adaptive", f"PIDController at rtol = atol = {TARGET_RTOL:g}, as in the work-precision rows"),
+)
+
+
+def _loop_kernels(compiled_text: str) -> int | None:
+    """The instructions that XLA's CPU runtime runs one after another in each iteration of
+    the solve's outer `while` loop (its body and condition, fused computations counted
+    once, an inner loop counted once), from the compiled program's text: a count that no
+    load on the machine disturbs. `None` where the text has no loop."""
+    import re
+
+    computations, current = {}, None
+    for line in compiled_text.split("\n"):
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$", line)
+        if head:
+            current = computations.setdefault(head.group(1), [])
+        elif current is not None and line.strip() not in ("", "}"):
+            current.append(line.strip())
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", compiled_text, re.M)
+    loop = r" while\([^)]*\), condition=%([\w.\-]+), body=%([\w.\-]+)"
+
+    def outer_loops(name):
+        # XLA's CPU backend may wrap a small loop in a `call` of its own.
+        for line in computations.get(name, []):
+            yield from re.finditer(loop, line)
+            if " call(" in line and (callee := re.search(r"to_apply=%([\w.\-]+)", line)):
+                yield from outer_loops(callee.group(1))
+
+    found = list(outer_loops(entry.group(1)))
+    if len(found) != 1:
+        return None
+    free = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant")
+    count = 0
+    for name in found[0].groups():
+        for line in computations.get(name, []):
+            # The type is one shape, or a tuple of them in parentheses (a loop's).
+            op = re.match(r"(?:ROOT )?%[\w.\-]+ = (?:\([^)]*\)|\S+) ([\w\-]+)\(", line)
+            if op and op.group(1) in ("while", "call", "conditional"):
+                # An inner loop (the Brownian tree's descent): no count per iteration.
+                return None
+            count += bool(op) and op.group(1) not in free
+    return count
+
+
+def breakdown(quick: bool = False) -> list[dict]:
+    """Per problem, the cost of one iteration of the solve's loop (all paths, one
+    `jax.vmap`ped solve, fastest interleaved round divided by the iterations of the slowest
+    path) for the variants of `BREAKDOWN`, each adding one ingredient of an adaptive step to
+    ours at fixed steps, and the kernels in the loop (`_loop_kernels`). The ratio of the
+    last variant to the first is what an adaptive iteration costs against a fixed one; by
+    time, fixed / adaptive at equal error is then the ratio by mean steps divided by that
+    and by the lockstep factor (steps of the slowest path over the mean).
+
+    Each problem on its own Brownian path (`path`: "tree", the `VirtualBrownianTree`, or
+    "grid" for general noise), and the problems with a tree also on the grid path, whose
+    queries cost little: the solver's own cost, which the tree's hides."""
+    n_paths = 32 if quick else 128
+    n_ref = 2**12 if quick else 2**14
+    rows = []
+    for name, problem in PROBLEMS.items():
+        general = problem["noise"] == "general"
+        for grid in (True,) if general else (False, True):
+            keys = jr.split(jr.key(sum(map(ord, name))), n_paths)
+            keys = path_inputs(problem, keys, n_ref, grid=grid)
+            rows += _breakdown_problem(name, problem, keys, n_ref, grid, quick)
+    return rows
+
+
+def _breakdown_problem(name, problem, keys, n_ref, grid, quick) -> list[dict]:
+    n_paths = len(jax.tree.leaves(keys)[0])
+    fixed = dict(solver=problem["ours"], ito=True, adaptive=False, grid=grid)
+    adaptive = dict(fixed, adaptive=True, controller=CONTROLLER)
+    # Tolerances no error reaches, the step capped at the fixed one: the error estimate and
+    # the controller's work on every step, and the fixed contender's steps.
+    loose = dict(CONTROLLER, rtol=1e6, atol=1e6, dtmax=BREAKDOWN_DT)
+    all_accepted = dict(adaptive, controller=loose, dt0=BREAKDOWN_DT)
+    controller_only = dict(all_accepted, solver=_WithoutEstimate(problem["ours"]))
+    per_path = jnp.full(n_paths, BREAKDOWN_DT)
+    fns = {
+        "fixed": (_make_solve(problem, fixed, n_ref, n_ref), (keys, BREAKDOWN_DT)),
+        "fixed, per-path times": (
+            _make_solve(problem, fixed, n_ref, n_ref, param_axis=0),
+            (keys, per_path),
+        ),
+        "adaptive, controller only": (
+            _make_solve(problem, controller_only, n_ref, n_ref),
+            (keys, 0.0),
+        ),
+        "adaptive, all accepted": (_make_solve(problem, all_accepted, n_ref, n_ref), (keys, 0.0)),
+        "adaptive": (_make_solve(problem, adaptive, n_ref, n_ref), (keys, TARGET_RTOL)),
+    }
+    outputs, times = time_contenders_output(
+        fns, repeats=5 if quick else 9, max_time=10.0 if quick else 30.0
+    )
+    rows, base = [], None
+    for what, _ in BREAKDOWN:
+        fn, args = fns[what]
+        _, steps, ok = outputs[what]
+        iterations = int(jnp.max(steps))
+        per_iteration = times[what]["run_min_s"] / iterations
+        base = base or per_iteration
+        rows.append(
+            dict(
+                problem=name,
+                path="grid" if grid else "tree",
+                variant=what,
+                steps=float(jnp.mean(steps)),
+                max_steps_path=iterations,
+                failed_paths=int(n_paths - int(jnp.sum(ok))),
+                time_per_iteration_s=per_iteration,
+                ratio_to_fixed=per_iteration / base,
+                loop_kernels=_loop_kernels(jax.jit(fn).lower(*args).compile().as_text()),
+                n_paths=n_paths,
+                run_min_s=times[what]["run_min_s"],
+                run_s=times[what]["run_s"],
+            )
+        )
+    return rows
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    cells = [
+        dict(
+            r,
+            per=f"{r['time_per_iteration_s'] * 1e6:.3g} us",
+            ratio=fmt_ratio(r["ratio_to_fixed"]),
+            steps=f"{r['steps']:.0f} / {r['max_steps_path']}",
+            loop_kernels=r["loop_kernels"] if r["loop_kernels"] is not None else "n/a",
+        )
+        for r in rows
+    ]
+    columns = [
+        ("problem", "SDE"),
+        ("path", "path"),
+        ("variant", "loop"),
+        ("steps", "steps: mean / slowest path"),
+        ("per", "time per iteration"),
+        ("ratio", "over fixed"),
+        ("loop_kernels", "kernels per iteration"),
+    ]
+    return markdown_table(cells, columns)
+
+
 def plot(rows, out=None):
     import matplotlib
 
@@ -856,7 +1091,21 @@ def plot(rows, out=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer paths and tolerances")
-    run(quick=parser.parse_args(argv).quick)
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="only the cost of a loop iteration, fixed against adaptive, ingredient by "
+        "ingredient (`breakdown`), written to adaptive_sde_breakdown",
+    )
+    options = parser.parse_args(argv)
+    if options.breakdown:
+        rows = breakdown(quick=options.quick)
+        print(breakdown_table(rows))
+        name = "adaptive_sde_breakdown" + ("_quick" if options.quick else "")
+        note = "quick mode: fewer paths" if options.quick else "full run"
+        print(f"wrote {write_results(name, rows, quick=options.quick, note=note)}")
+        return
+    run(quick=options.quick)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ TITLES = {
     "adaptive_sde": "Adaptive steps on SDEs whose difficulty varies along the path",
     "adaptive_sde_quick": "Adaptive steps on SDEs whose difficulty varies along the path "
     "(quick mode)",
+    "adaptive_sde_breakdown": "Adaptive steps: the cost of a loop iteration, ingredient by "
+    "ingredient",
+    "adaptive_sde_breakdown_quick": "Adaptive steps: the cost of a loop iteration, ingredient "
+    "by ingredient (quick mode)",
     "linear_crossover": "Linear solvers: where dense LU overtakes the structured ones",
     "ensemble_lanes": "Ensembles of adaptive solves: refilling lanes against vmapped batches",
 }
@@ -66,6 +70,8 @@ CASE_KEYS = {
     "stiff_peers_quick": ("problem", "size", "rtol", "method"),
     "adaptive_sde": ("problem", "method", "param"),
     "adaptive_sde_quick": ("problem", "method", "param"),
+    "adaptive_sde_breakdown": ("problem", "path", "variant"),
+    "adaptive_sde_breakdown_quick": ("problem", "path", "variant"),
     "linear_crossover": ("kind", "n"),
     "ensemble_lanes": ("problem", "rtol", "width"),
 }
@@ -91,6 +97,15 @@ _ADAPTIVE_SDE = (
     "(`PIDController`), ours at fixed steps, `HalfSolver(ours)` and Diffrax's adaptive SDE "
     "solvers. The table: the acceptance ratios at the error of ours adaptive at rtol 1e-3 "
     "(costs interpolated in log-log space; * extrapolated); the JSON has every point."
+)
+
+_ADAPTIVE_SDE_BREAKDOWN = (
+    "One iteration of the vmapped solve's loop on the SDEs of adaptive_sde, ours at a fixed "
+    "step, then with per-path step times, then adaptive with every step accepted (the error "
+    "estimate and the controller), then adaptive at rtol 1e-3: time per iteration (fastest "
+    "round over the iterations of the slowest path) and the kernels XLA runs per iteration "
+    "(n/a where the Brownian tree's descent is a loop inside the loop); each SDE on its own "
+    "path and, where that is a Brownian tree, on the cheap grid path too."
 )
 
 # What each section measures, in a sentence, above its plot.
@@ -119,6 +134,8 @@ WHAT = {
     "table shows rtol 1e-6, the JSON every tolerance.",
     "adaptive_sde": _ADAPTIVE_SDE,
     "adaptive_sde_quick": _ADAPTIVE_SDE,
+    "adaptive_sde_breakdown": _ADAPTIVE_SDE_BREAKDOWN,
+    "adaptive_sde_breakdown_quick": _ADAPTIVE_SDE_BREAKDOWN,
     "ensemble_lanes": "`solve_ensemble(lanes=L)` against `solve_ensemble(chunk_size=L)` (vmapped "
     "batches of L paths) on 256 paths of the adaptive double well, as it is and with a per-path "
     "rate that spreads the step counts: time, loop iterations and the cost of one iteration, "
@@ -724,6 +741,12 @@ def _adaptive_sde(data: dict) -> list[str]:
     return [table(data["acceptance"]), "", TABLE_NOTE, ""] + ([note, ""] if note else [])
 
 
+def _adaptive_sde_breakdown(data: dict) -> list[str]:
+    from benchmarks.adaptive_sde import breakdown_table
+
+    return [breakdown_table(data["rows"]), ""]
+
+
 def _ensemble_lanes(data: dict) -> list[str]:
     from benchmarks.ensemble_lanes import table
 
@@ -735,6 +758,8 @@ SHORT = {
     "ensemble_lanes": _ensemble_lanes,
     "adaptive_sde": _adaptive_sde,
     "adaptive_sde_quick": _adaptive_sde,
+    "adaptive_sde_breakdown": _adaptive_sde_breakdown,
+    "adaptive_sde_breakdown_quick": _adaptive_sde_breakdown,
     "linear_crossover": _linear_crossover,
     "stiff_peers": _stiff_peers,
     "stiff_peers_quick": _stiff_peers,

@@ -217,3 +217,58 @@ def test_reference_and_solvers_agree(name):
             # (SPaRK at rtol 1e-3 comes as close to the reference as the reference's own
             # step halving: its tightest points in the benchmark are reference-limited.)
             assert rms(half) < 0.3 * rms(ys), (c, rms(half), rms(ys))
+
+
+def _loop(n_dots: int, nested: bool = False):
+    def fn(x, n):
+        def body(i, x):
+            for _ in range(n_dots):
+                x = jnp.sin(x @ x)
+            if nested:
+                x = jax.lax.fori_loop(0, n, lambda j, y: jnp.cos(y @ y), x)
+            return x
+
+        return jax.lax.fori_loop(0, n, body, x)
+
+    # A trip count known only at run time, so that the compiler keeps the loop.
+    return jax.jit(fn).lower(jnp.eye(3), 5).compile().as_text()
+
+
+def test_loop_kernels_counts_the_loop_and_refuses_an_inner_loop():
+    # Each product is a kernel of its own: two more products, at least two more kernels.
+    one, three = bench._loop_kernels(_loop(1)), bench._loop_kernels(_loop(3))
+    assert one is not None and three is not None and three >= one + 2 > 2
+    assert bench._loop_kernels(_loop(1, nested=True)) is None
+    assert bench._loop_kernels(jax.jit(jnp.sin).lower(1.0).compile().as_text()) is None
+
+
+def test_breakdown_variants_take_the_fixed_steps():
+    # The breakdown's variants of ours at a fixed step (per-path step times; adaptive with
+    # every step accepted) take the same steps as the fixed solve and land where it does.
+    name = "double well, noise burst"
+    problem, n_ref, dt = bench.PROBLEMS[name], 2**8, 2.0**-4
+    keys = bench.path_inputs(problem, jr.split(jr.key(0), 3), n_ref, grid=True)
+    fixed = dict(solver=problem["ours"], ito=True, adaptive=False, grid=True)
+    loose = dict(bench.CONTROLLER, rtol=1e6, atol=1e6, dtmax=dt)
+    accepted = dict(fixed, adaptive=True, controller=loose, dt0=dt)
+    controller_only = dict(accepted, solver=bench._WithoutEstimate(problem["ours"]))
+
+    @jax.jit
+    def solves(keys):
+        return (
+            bench._make_solve(problem, fixed, n_ref, n_ref)(keys, dt),
+            bench._make_solve(problem, fixed, n_ref, n_ref, param_axis=0)(keys, jnp.full(3, dt)),
+            bench._make_solve(problem, accepted, n_ref, n_ref)(keys, 0.0),
+            bench._make_solve(problem, controller_only, n_ref, n_ref)(keys, 0.0),
+        )
+
+    (y, steps, ok), (y_path, steps_path, _), *adaptive = solves(keys)
+    assert bool(jnp.all(ok))
+    assert np.all(np.asarray(steps) == 16) and np.all(np.asarray(steps_path) == 16)
+    np.testing.assert_allclose(y_path, y, rtol=1e-12, atol=1e-12)
+    for y_adaptive, steps_adaptive, ok_adaptive in adaptive:
+        assert bool(jnp.all(ok_adaptive))
+        assert np.all(np.asarray(steps_adaptive) == 16)
+        np.testing.assert_allclose(y_adaptive, y, rtol=1e-10, atol=1e-10)
+    # Not a solve that ignores the path: another path lands elsewhere.
+    assert float(jnp.max(jnp.abs(y[0] - y[1]))) > 1e-3
