@@ -20,8 +20,8 @@ Contenders: ours (`Kvaerno5(root_finder=dl.VeryChord())`, `... dl.Newton()`, and
 and factorisation reused across steps; fixed order 3) and `dl.BDF(max_order=5,
 variable_order=True)` ("ours BDF var", with `diffrax.PIDController(pcoeff=0.3, icoeff=0.4)`)
 where the package has them, the three Rosenbrock
-solvers with `dl.PredictiveController`, ROS34PW2's with `steady=(0.9, 1.2)`; BDF and the
-others with `diffrax.PIDController`), Diffrax's default
+solvers and Kvaerno5 with our root finders with `dl.PredictiveController`, ROS34PW2's with
+`steady=(0.9, 1.2)`; fixed-order BDF with `diffrax.PIDController`), Diffrax's default
 `Kvaerno5()`, scipy BDF and Radau (with `jac_sparsity` on the large problems), and optional
 peers: SUNDIALS CVODE (scikit-sundae), diffsol (pydiffsol, BDF and ESDIRK34) and casadi
 (cvodes). A peer not installed gives a row saying so.
@@ -423,15 +423,20 @@ PEERS = [
 
 
 def controller_for(solver, rtol, atol):
-    """Our Rosenbrock solvers with `dl.PredictiveController` (Gustafsson's step control, as
-    Hairer's RODAS: `diffrax.PIDController` never shrinks the step after an accepted one,
-    which rejected a step in four on OREGO), holding the step size for the W-methods
-    (`steady`), which then reuse their factorisation; Diffrax's Runge-Kutta solvers with
-    its own."""
+    """Our Rosenbrock solvers, and `Kvaerno5` with our root finders, with
+    `dl.PredictiveController` (Gustafsson's step control, as Hairer's RODAS and RADAU5:
+    `diffrax.PIDController` never shrinks the step after an accepted one, which rejected a
+    step in four of Rodas4P's on OREGO, and two in five of Kvaerno5's), holding the step
+    size for the W-methods (`steady`), which then reuse their factorisation; Diffrax's
+    default (its `Kvaerno5` with its own root finder) with its own controller, as Diffrax's
+    users get it."""
     if hasattr(dl, "PredictiveController"):
         if isinstance(solver, dl.AbstractRosenbrockW):
             return dl.PredictiveController(rtol=rtol, atol=atol, steady=(0.9, 1.2))
-        if isinstance(solver, (dl.Rodas5P, dl.Rodas4P)):
+        ours_root_finder = isinstance(
+            getattr(solver, "root_finder", None), (dl.VeryChord, dl.Newton)
+        )
+        if isinstance(solver, (dl.Rodas5P, dl.Rodas4P)) or ours_root_finder:
             return dl.PredictiveController(rtol=rtol, atol=atol)
     if getattr(solver, "variable_order", False):
         # The variable-order BDF proposes its step through its error (and holds it for

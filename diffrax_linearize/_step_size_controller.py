@@ -38,7 +38,9 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
     r"""Gustafsson's predictive step-size controller (K. Gustafsson, *Control-theoretic
     techniques for stepsize selection in implicit Runge-Kutta methods*, ACM TOMS 20,
     1994; Hairer & Wanner, *Solving ODEs II*, section IV.8), for stiff solvers such as
-    [`diffrax_linearize.Rodas5P`][] and [`diffrax_linearize.Rodas4P`][].
+    [`diffrax_linearize.Rodas5P`][], [`diffrax_linearize.Rodas4P`][] and
+    `diffrax.Kvaerno5` with [`diffrax_linearize.VeryChord`][] or
+    [`diffrax_linearize.Newton`][].
 
     With the scaled error $e_n$ of step $n$ (the `norm` of the error over
     $\mathrm{atol} + \mathrm{rtol} \max(|y_0|, |y_1|)$, as `diffrax.PIDController`
