@@ -40,7 +40,8 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
     1994; Hairer & Wanner, *Solving ODEs II*, section IV.8), for stiff solvers such as
     [`diffrax_linearize.Rodas5P`][], [`diffrax_linearize.Rodas4P`][] and
     `diffrax.Kvaerno5` with [`diffrax_linearize.VeryChord`][] or
-    [`diffrax_linearize.Newton`][].
+    [`diffrax_linearize.Newton`][], and the fixed-order [`diffrax_linearize.BDF`][]. Not
+    the variable-order BDF, which chooses its own step sizes (a `ValueError` says so).
 
     With the scaled error $e_n$ of step $n$ (the `norm` of the error over
     $\mathrm{atol} + \mathrm{rtol} \max(|y_0|, |y_1|)$, as `diffrax.PIDController`
@@ -165,6 +166,20 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
 
     def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
         del t1
+        # `func` is the solver's bound `func`. The variable-order BDF proposes its own step
+        # sizes through the error it returns, and holds a step with a constant error: a
+        # trend of none, which this controller's prediction reads as a shrinking step's
+        # and so shrinks the step at every step until it stalls (measured on HIRES: h
+        # halving from step to step down to zero).
+        if getattr(getattr(func, "__self__", None), "variable_order", False) is True:
+            raise ValueError(
+                "`diffrax_linearize.PredictiveController` cannot drive "
+                "`diffrax_linearize.BDF(variable_order=True)`, which chooses its own step "
+                "sizes and reports them through its error: use "
+                "`diffrax.PIDController(rtol=..., atol=...)` with it (with `pcoeff=0.3, "
+                "icoeff=0.4` for stiff problems), or this controller with the fixed-order "
+                "`BDF(variable_order=False)`."
+            )
         if dt0 is None:
             dt0 = select_initial_step(
                 terms, t0, y0, args, func, self._error_order(error_order), self.rtol,

@@ -379,3 +379,21 @@ def test_wrapped_by_clip_controller():
         _robertson_np, (0, 10.0), [1.0, 0.0, 0.0], method="Radau", rtol=1e-10, atol=1e-14
     ).y[:, -1]
     assert _digits(sol.ys[np.isfinite(ts)][-1], ref, 1e-6, 1e-10) > 5
+
+
+def test_variable_order_bdf_is_refused_and_fixed_order_bdf_follows():
+    """The variable-order BDF proposes its steps through its error and holds a step with a
+    constant one, which the predictive term reads as a trend: the step halved at every step
+    until it reached zero (HIRES). So the pair is a clear error; the fixed-order BDF,
+    whose error is an estimate, takes this controller, to the same tolerance as with
+    `diffrax.PIDController`."""
+    rtol = atol = 1e-6
+    y0 = jnp.asarray(_OREGO_Y0)
+    controller = dl.PredictiveController(rtol=rtol, atol=atol)
+    with pytest.raises(ValueError, match=r"BDF\(variable_order=True\)"):
+        _solve(_orego, dl.BDF(max_order=5, variable_order=True), controller, 10.0, y0)
+    new = _solve(_orego, dl.BDF(), controller, 60.0, y0)
+    old = _solve(_orego, dl.BDF(), diffrax.PIDController(rtol=rtol, atol=atol), 60.0, y0)
+    digits = _digits(new.ys[-1], _OREGO_60, rtol, atol)
+    digits_old = _digits(old.ys[-1], _OREGO_60, rtol, atol)
+    assert digits > 3 and abs(digits - digits_old) < 1, (digits, digits_old)

@@ -228,7 +228,9 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
       with the largest. The solver carries its choice in its state and passes the step
       size it proposes to the controller through the error it returns: the order-$q$
       error, rescaled so that its scaled norm is the inverse of the proposed factor
-      (`error_order` is then 1). Any Diffrax adaptive controller follows it:
+      (`error_order` is then 1). Diffrax's adaptive controllers follow it (not
+      [`diffrax_linearize.PredictiveController`][], whose prediction from the last two
+      errors would read a held step's constant error as a trend; it raises):
       `diffrax.PIDController` with its default coefficients takes scipy's step size
       ($0.9$ times the factor, clipped to $[1, 10]$ after an accepted step), and accepts
       a step exactly when $E_q < 1$. Between two choices an accepted step returns an
