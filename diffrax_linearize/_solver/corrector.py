@@ -12,6 +12,7 @@ reverse mode takes.
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import lineax as lx
 
@@ -28,7 +29,10 @@ class _StructuredJacobian(lx.AbstractLinearSolver):
     solver: lx.AbstractLinearSolver
 
     def init(self, operator, options):
-        return self.solver.init(solver_operator(operator.fn, operator.x, operator.args), options)
+        # A complex state's Jacobian is the complex one, as lineax materialises it.
+        holomorphic = any(jnp.iscomplexobj(x) for x in jtu.tree_leaves(operator.x))
+        op = solver_operator(operator.fn, operator.x, operator.args, holomorphic=holomorphic)
+        return self.solver.init(op, options)
 
     def compute(self, state, vector, options):
         return self.solver.compute(state, vector, options)
