@@ -543,6 +543,50 @@ def test_complex_non_holomorphic():
         np.testing.assert_allclose(sol.ys[-1].imag, split[1:], rtol=1e-5)
 
 
+def test_complex_non_holomorphic_gradient():
+    """`jax.grad` through a complex state whose vector field is not holomorphic: the
+    corrector is differentiated as its real and imaginary parts (with the complex
+    Jacobian of the chord iteration in its place the gradient is wrong), so the gradient is
+    the split system's."""
+
+    def loss(p, split):
+        f = _non_holomorphic_split if split else _non_holomorphic
+        y0 = jnp.array([1.0, 1.0]) if split else jnp.array([1.0 + 1.0j])
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: args * f(t, y, None)),
+            dl.BDF(),
+            0.0,
+            0.5,
+            1e-4,
+            y0,
+            args=p,
+            stepsize_controller=diffrax.PIDController(rtol=1e-9, atol=1e-11),
+        )
+        return jnp.sum(jnp.abs(sol.ys[-1]) ** 2)
+
+    split = jax.grad(loss)(0.01, True)
+    np.testing.assert_allclose(jax.grad(loss)(0.01, False), split, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex64])
+def test_empty_state(dtype):
+    """A state with no entries, which Diffrax's `test_basic` draws at random (found by
+    `tests/diffrax_suite.py --stiff`: the derivative of the empty Newton matrix had no
+    tangent): the solve reaches `t1` with the empty state."""
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, args: -y),
+        dl.BDF(),
+        0.0,
+        1.0,
+        0.01,
+        jnp.ones((0,), dtype),
+        stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-8),
+    )
+    assert sol.ys.shape == (1, 0)
+    assert jnp.iscomplexobj(sol.ys) == jnp.iscomplexobj(jnp.zeros((), dtype))
+    assert sol.ts[-1] == 1.0
+
+
 def test_complex_mixed_state_raises():
     """A pytree state of real and complex arrays is a clear error: flattened together
     the real arrays would come back cast from complex."""

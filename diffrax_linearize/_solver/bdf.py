@@ -302,7 +302,8 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
     GMRES path too, where its products are two tangents of one forward pass): exact for
     a vector field holomorphic in $y$; for another (`jnp.conj`, `jnp.abs`) the
     complex-linear map that agrees with the derivative along real directions, with
-    which the chord iteration converges more slowly, to the same corrector. Use it with
+    which the chord iteration converges more slowly, to the same corrector. Gradients
+    differentiate the corrector as its real and imaginary parts, exact for either. Use it with
     `diffrax.PIDController` or [`diffrax_linearize.PredictiveController`][]; with a
     constant step size, pass
     `root_finder=diffrax_linearize.VeryChord(rtol=..., atol=..., norm=...)`.
@@ -416,7 +417,12 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
                 lambda z, _: z - s_ * g(t, z), y, None, holomorphic=jnp.iscomplexobj(y)
             )
 
-        return eqx.filter_jvp(M_of, (s,), (jnp.ones_like(s),))
+        M, dM = eqx.filter_jvp(M_of, (s,), (jnp.ones_like(s),))
+        # A state with no entries: the operator's empty arrays get no tangent (`None`).
+        dM = jtu.tree_map(
+            lambda d, m: jnp.zeros_like(m) if d is None else d, dM, M, is_leaf=lambda x: x is None
+        )
+        return M, dM
 
     @staticmethod
     def _jacobian_diagonals(g, t, y, s):
