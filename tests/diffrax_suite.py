@@ -219,18 +219,12 @@ _RODAS5P_LINEAR = (
     "(its local error on y' = lambda y falls as h^7), so the fitted order is 6.1 to 6.6, "
     "not 5 +- 0.9; on a nonlinear problem it is 5 (tests/test_rosenbrock.py::test_order)"
 )
-_BDF_REAL = (
-    "diffrax_linearize.BDF takes real states only: a complex state raises a TypeError "
-    "saying so (tests/test_bdf.py::test_complex_state_raises)"
-)
 STIFF_KNOWN_FAILURES = {
     "test/test_integrate.py::test_ode_order[float64-solver13]": (_RODAS5P_LINEAR, AssertionError),
     "test/test_integrate.py::test_ode_order[complex128-solver13]": (
         _RODAS5P_LINEAR,
         AssertionError,
     ),
-    "test/test_integrate.py::test_ode_order[complex128-solver10]": (_BDF_REAL, TypeError),
-    "test/test_integrate.py::test_ode_order[complex128-BDF2]": (_BDF_REAL, TypeError),
     **{
         f"test/test_global_interpolation.py::{t}[solver10]": (
             "a harness mismatch: the test gives `ImplicitEuler` a tolerance of 1e-3 by "
@@ -249,15 +243,6 @@ STIFF_KNOWN_FAILURES = {
         "error on a non-stiff orbit, where the test's tolerance is for Runge-Kutta methods",
         AssertionError,
     ),
-    # `test_basic`'s complex64 states for `ImplicitEuler` (but with `y0=None`, treedef1,
-    # which the test skips for implicit solvers).
-    **{
-        f"test/test_integrate.py::test_basic[stepsize_controller{c}-treedef{tree}-complex64-"
-        f"{t}-solver4]": (_BDF_REAL, TypeError)
-        for c in range(3)
-        for tree in (0, 2)
-        for t in ("float32", "int", "float", "int32")
-    },
     "test/test_integrate.py::test_implicit_tol_error": (
         "asserts that Kvaerno5 with a constant step size and no tolerances raises; "
         "Rodas5P has no nonlinear solve and needs none",

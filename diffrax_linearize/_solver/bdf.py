@@ -59,6 +59,12 @@ _SAME_H = 1e-2
 _KAPPA = np.array([0.0, -0.1850, -1 / 9, -0.0823, -0.0415, 0.0])
 
 
+def _real(dtype):
+    # The real dtype of a state's dtype: step sizes, coefficients, rates and norms are
+    # real for a complex state too (as scipy's `BDF` and Diffrax's controllers keep them).
+    return jnp.finfo(dtype).dtype
+
+
 def _coefficients(ndf: bool):
     kappa = _KAPPA if ndf else np.zeros_like(_KAPPA)
     gamma = np.concatenate([[0.0], np.cumsum(1 / np.arange(1, _MAX_ORDER + 1))])
@@ -74,6 +80,8 @@ def _combine(weights, rows):
     rows (`jnp.sum(..., axis=0)`, `jnp.cumsum`) several times slower, and on GPUs a
     float32 product would round through TF32."""
     m, r = weights.shape
+    # Real weights on a complex state's rows: cast, exactly, as strict promotion wants.
+    weights = weights.astype(jnp.result_type(rows[0]))
     return jnp.stack([sum(weights[i, j] * rows[j] for j in range(r)) for i in range(m)])
 
 
@@ -114,8 +122,15 @@ def _rescale_weights(q, factor, max_order: int):
 def _rescale(D, q, factor, max_order: int):
     """The differences `D` rescaled by `_rescale_weights` (rows above `max_order`
     kept)."""
-    weights = _rescale_weights(q, factor.astype(D.dtype), max_order)
+    weights = _rescale_weights(q, factor.astype(_real(D.dtype)), max_order)
     return D.at[: max_order + 1].set(_combine(weights, D[: max_order + 1]))
+
+
+def _scaled_norm(norm, v, scale):
+    # The norm of `v / scale`, real (optimistix's norms take magnitudes of complex
+    # entries); `scale` is real, as Diffrax's controllers keep it.
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.asarray(norm(v / scale)).astype(scale.dtype)
 
 
 class BDFState(eqx.Module):
@@ -281,7 +296,16 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
 
     For ODEs only (one `diffrax.ODETerm`). The state may be any pytree of real arrays,
     float32 or float64 (flattened with `jax.flatten_util.ravel_pytree`; a single array
-    keeps its Jacobian's structure); not complex (a `TypeError`). Use it with
+    keeps its Jacobian's structure), or of complex ones, complex64 or complex128 (not a
+    mix of real and complex: a `TypeError`). For a complex state the step sizes,
+    coefficients and norms stay real (the norms of magnitudes, as scipy's `BDF` and
+    Diffrax's controllers take them) and the Jacobian is the complex one
+    `jax.jacfwd(..., holomorphic=True)` gives, as for Diffrax's implicit solvers (on the
+    GMRES path too, where its products are two tangents of one forward pass): exact for
+    a vector field holomorphic in $y$; for another (`jnp.conj`, `jnp.abs`) the
+    complex-linear map that agrees with the derivative along real directions, with
+    which the chord iteration converges more slowly, to the same corrector. Gradients
+    differentiate the corrector as its real and imaginary parts, exact for either. Use it with
     `diffrax.PIDController` or [`diffrax_linearize.PredictiveController`][]; with a
     constant step size, pass
     `root_finder=diffrax_linearize.VeryChord(rtol=..., atol=..., norm=...)`.
@@ -389,15 +413,28 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         # I - s dg/dy = I - s h J as one materialised operator (the structure engine sees
         # the identity, so it keeps J's pattern with its diagonal); affine in s, so its
         # derivative -h J in the same structure is one forward-mode pass.
+        # A complex state's J is the complex one, as Diffrax's implicit solvers take it.
         def M_of(s_):
-            return solver_operator(lambda z, _: z - s_ * g(t, z), y, None)
+            return solver_operator(
+                lambda z, _: z - s_ * g(t, z), y, None, holomorphic=jnp.iscomplexobj(y)
+            )
 
-        return eqx.filter_jvp(M_of, (s,), (jnp.ones_like(s),))
+        M, dM = eqx.filter_jvp(M_of, (s,), (jnp.ones_like(s),))
+        # A state with no entries: the operator's empty arrays get no tangent (`None`).
+        dM = jtu.tree_map(
+            lambda d, m: jnp.zeros_like(m) if d is None else d, dM, M, is_leaf=lambda x: x is None
+        )
+        return M, dM
 
     @staticmethod
     def _jacobian_diagonals(g, t, y, s):
-        # The diagonals of `_jacobian`'s I - s dg/dy and of its derivative in s.
-        dg = jacobian_diagonal(lambda z: g(t, z), y)
+        # The diagonals of `_jacobian`'s I - s dg/dy and of its derivative in s. For a
+        # complex state, of its complex J, whose columns are the derivatives along real
+        # directions: those of g along the real part, at the imaginary part's value.
+        if jnp.iscomplexobj(y):
+            dg = jacobian_diagonal(lambda x: g(t, jax.lax.complex(x, y.imag)), y.real)
+        else:
+            dg = jacobian_diagonal(lambda z: g(t, z), y)
         return (
             lx.DiagonalLinearOperator(1 - s.astype(dg.dtype) * dg),
             lx.DiagonalLinearOperator(-dg),
@@ -432,17 +469,18 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         _check_ode(self, terms, t0, t1)
         t0 = jnp.asarray(t0)
         flat0, _, dtype, g = _flat_increment(terms, t0, t1, y0, args)
-        if jnp.iscomplexobj(flat0):
-            # The step and order control compare step sizes and rates in the state's dtype.
+        leaves = jtu.tree_leaves(y0)
+        if jnp.iscomplexobj(flat0) and not all(jnp.iscomplexobj(x) for x in leaves):
+            # Flattened, the real arrays would become complex and come back cast to real.
             raise TypeError(
-                "`diffrax_linearize.BDF` takes real states only (float32 or float64), not "
-                f"{flat0.dtype}: split a complex state into its real and imaginary parts, or "
-                "use `diffrax_linearize.Rodas5P`, `.Rodas4P` or `.ROS34PW2`, which take "
-                "complex states."
+                "`diffrax_linearize.BDF`: the state mixes real and complex arrays. Make "
+                "every array of the initial state complex (`y0.astype(jnp.complex128)`), or "
+                "every one real (split a complex array into its real and imaginary parts)."
             )
-        h = (jnp.asarray(t1) - t0).astype(dtype)
+        real = _real(dtype)
+        h = (jnp.asarray(t1) - t0).astype(real)
         _, alpha, _ = _coefficients(self.ndf)
-        c = h / jnp.asarray(alpha[1], dtype)
+        c = h / jnp.asarray(alpha[1], real)
         M_J, dM = self._jacobian(g, t0, flat0, jnp.asarray(1 / alpha[1], dtype))
         factorisation = self._factor(M_J)
         M_J, dM = self._carried(M_J, dM, factorisation)
@@ -457,13 +495,13 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             dM=dM,
             h_J=h,
             c_J=c,
-            t_J=t0.astype(dtype),
+            t_J=t0.astype(real),
             y_J=flat0,
             c_W=c,
             factorisation=factorisation,
             jacobian_age=zero,
             slow=jnp.array(False),
-            rate=jnp.ones((), dtype),
+            rate=jnp.ones((), real),
             num_jacobians=one,
             num_factorisations=one,
             num_newton_iterations=zero,
@@ -482,7 +520,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         eps = float(jnp.finfo(dtype).eps)
         with jax.numpy_dtype_promotion("standard"):
             tol = jnp.maximum(10 * eps / rtol, self.root_finder.kappa)
-            return jnp.asarray(tol).astype(dtype)
+            return jnp.asarray(tol).astype(_real(dtype))
 
     def _chord(self, g, t1, y_predict, psi, alpha_q, solve, c, c_W, rate0, scale):
         """The chord iteration on the corrector, as scipy's `solve_bdf_system` (with
@@ -490,8 +528,10 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         converged, the iterations, the corrector and its difference from the
         predictor, and the last rate."""
         dtype = y_predict.dtype
+        real = _real(dtype)
         norm = self.root_finder.norm
         tol = self._chord_tolerance(dtype)
+        alpha_q = alpha_q.astype(dtype)
         with jax.numpy_dtype_promotion("standard"):
             # With the matrix of c_W for a step of c: the best single scale between the
             # stiff limit (c_W / c) and the non-stiff one (1), as CVODE's 2 / (1 + gamrat).
@@ -507,13 +547,13 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             f = g(t1, y) / alpha_q
             sol = solve(f - psi - d)
             dy = boost * sol.value
-            dy_norm = norm(dy / scale).astype(dtype)
+            dy_norm = _scaled_norm(norm, dy, scale)
             # A non-finite f or dy makes the norm non-finite: one check of a scalar, not
             # two passes over the state.
             finite = jnp.isfinite(dy_norm)
             first = k == 0
             new_rate = jnp.where(first, rate, dy_norm / dy_norm_old)
-            remaining = (max_steps - k).astype(dtype)
+            remaining = (max_steps - k).astype(real)
             diverging = ~first & (
                 (new_rate >= 1) | (new_rate**remaining / (1 - new_rate) * dy_norm > tol)
             )
@@ -528,7 +568,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             converged = ~bad & done
             return k + 1, y, d, dy_norm, new_rate, converged, bad
 
-        zero = jnp.zeros((), dtype)
+        zero = jnp.zeros((), real)
         init = (
             jnp.array(0, jnp.int32),
             y_predict,
@@ -552,7 +592,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         error order 1 then proposes scipy's step size, accepts exactly when $E_q < 1$,
         and needs no access to the solver's state."""
         K = self.max_order
-        dtype = y1.dtype
+        dtype = _real(y1.dtype)
         norm, rtol, atol = self.root_finder.norm, self.root_finder.rtol, self.root_finder.atol
         with jax.numpy_dtype_promotion("standard"):
             # The scale of `diffrax.PIDController` and `PredictiveController`, so that a
@@ -560,7 +600,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             scale = (atol + rtol * jnp.maximum(jnp.abs(y0), jnp.abs(y1))).astype(dtype)
 
         def scaled(v):
-            return jnp.asarray(norm(unravel(v / scale))).astype(dtype)
+            return _scaled_norm(lambda x: norm(unravel(x)), v, scale)
 
         inf = jnp.asarray(jnp.inf, dtype)
         e_q = scaled(error)
@@ -568,10 +608,11 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         consider = (steps_at_order >= q + 1) & accepted
 
         def neighbours():
-            e_m = jnp.where(q > 1, scaled(error_const[jnp.maximum(q - 1, 0)] * D_new[q]), inf)
+            const = error_const.astype(y1.dtype)
+            e_m = jnp.where(q > 1, scaled(const[jnp.maximum(q - 1, 0)] * D_new[q]), inf)
             e_p = jnp.where(
                 q < K,
-                scaled(error_const[jnp.minimum(q + 1, K)] * D_new[jnp.minimum(q + 2, K + 1)]),
+                scaled(const[jnp.minimum(q + 1, K)] * D_new[jnp.minimum(q + 2, K + 1)]),
                 inf,
             )
             return e_m, e_p
@@ -594,7 +635,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         # A zero error stays zero; an infinite one (a failed step) infinite.
         ratio = jnp.where((e_q > 0) & jnp.isfinite(e_q), normalised / e_q, 1)
         steps_at_order = jnp.where(consider, 0, steps_at_order)
-        return q_next, steps_at_order, error * ratio
+        return q_next, steps_at_order, error * ratio.astype(error.dtype)
 
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
         _check_ode(self, terms, t0, t1)
@@ -602,8 +643,11 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         K = self.max_order
         t0 = jnp.asarray(t0)
         flat0, unravel, dtype, g = _flat_increment(terms, t0, t1, y0, args)
-        h = (jnp.asarray(t1) - t0).astype(dtype)
-        gamma, alpha, error_const = (jnp.asarray(a, dtype) for a in _coefficients(self.ndf))
+        # Step sizes and the coefficients that combine the history are real; the history,
+        # the corrector and the error have the state's dtype, real or complex.
+        real = _real(dtype)
+        h = (jnp.asarray(t1) - t0).astype(real)
+        gamma, alpha, error_const = (jnp.asarray(a, real) for a in _coefficients(self.ndf))
         made_jump = jnp.asarray(made_jump)
 
         # The history for this step size (scipy's `change_D`) as weights on the rows of the
@@ -614,7 +658,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         slope = jax.lax.cond(made_jump, lambda: g(t0, flat0), lambda: st.D[1])
         history = [flat0, slope, *st.D[2:]]
         rows = jnp.arange(K + 2, dtype=jnp.int32)
-        rescale = jnp.eye(K + 2, dtype=dtype)
+        rescale = jnp.eye(K + 2, dtype=real)
         factor = h / st.h
         rescale = rescale.at[: K + 1, : K + 1].set(_rescale_weights(st.order, factor, K))
         # Row q + 1 is the last step's correction, of size h^(q+1) y^(q+1): rescaled to
@@ -622,8 +666,8 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         # order q + 1 (from its difference with this step's) holds when h changes between
         # steps, as Diffrax's controllers change it. No other row reads it.
         diag_next = (rows == st.order + 1)[:, None] & (rows == st.order + 1)[None, :]
-        rescale = jnp.where(diag_next, factor ** (st.order + 1).astype(dtype), rescale)
-        rescale = jnp.where(made_jump, jnp.diag((rows <= 1).astype(dtype)), rescale)
+        rescale = jnp.where(diag_next, factor ** (st.order + 1).astype(real), rescale)
+        rescale = jnp.where(made_jump, jnp.diag((rows <= 1).astype(real)), rescale)
         q = jnp.where(made_jump, 1, st.order).astype(jnp.int32)
         restart = made_jump
         if self.variable_order:
@@ -634,22 +678,23 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         steps_at_order = jnp.where(restart, 0, st.steps_at_order).astype(jnp.int32)
         alpha_q = alpha[q]
         gamma_rows = jnp.where((rows >= 1) & (rows <= q), gamma[jnp.minimum(rows, K)], 0)
-        predict = jnp.stack([(rows <= q).astype(dtype), gamma_rows / alpha_q])
+        predict = jnp.stack([(rows <= q).astype(real), gamma_rows / alpha_q])
         y_predict, psi = _combine(_matmul(predict, rescale), history)
         rows = rows[:, None]
         c = h / alpha_q
         rtol, atol = self.root_finder.rtol, self.root_finder.atol
         with jax.numpy_dtype_promotion("standard"):
-            scale = (atol + rtol * jnp.abs(y_predict)).astype(dtype)
+            scale = (atol + rtol * jnp.abs(y_predict)).astype(real)
 
         def fresh_jacobian():
+            s = (1 / alpha_q).astype(dtype)
             if is_detached(st.factorisation):
                 # GMRES's path carries only the diagonals (`_carried`): read them off the
                 # structure engine's blocks, without materialising every entry of J.
-                M_J, dM = self._jacobian_diagonals(g, t1, y_predict, 1 / alpha_q)
+                M_J, dM = self._jacobian_diagonals(g, t1, y_predict, s)
             else:
-                M_J, dM = self._jacobian(g, t1, y_predict, 1 / alpha_q)
-            return M_J, dM, h, c, jnp.asarray(t1).astype(dtype), y_predict
+                M_J, dM = self._jacobian(g, t1, y_predict, s)
+            return M_J, dM, h, c, jnp.asarray(t1).astype(real), y_predict
 
         refresh = made_jump | st.slow | (st.jacobian_age >= self.jacobian_every)
         M_J, dM, h_J, c_J, t_J, y_J = jax.lax.cond(
@@ -666,14 +711,14 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             lambda: (c, self._factor(operator(M_J, dM, h_J, c_J, c), st.factorisation)),
             lambda: (st.c_W, st.factorisation),
         )
-        rate0 = jnp.where(refactor, jnp.ones((), dtype), st.rate)
+        rate0 = jnp.where(refactor, jnp.ones((), real), st.rate)
 
         def attempt(M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation, rate0):
             # For GMRES, which only multiplies by M = I - c_W J: J v by forward-mode
             # differentiation at the Jacobian's point (`jvp_product`), without
             # derivatives, as the factorisation (`_factor`).
             jv = jvp_product(g, t_J, y_J)
-            r = jax.lax.stop_gradient(c_W / h)
+            r = jax.lax.stop_gradient(c_W / h).astype(dtype)
 
             def mv(v):
                 return v - r * jv(v)
@@ -704,7 +749,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         def again():
             M_J, dM, h_J, c_J, t_J, y_J = fresh_jacobian()
             factorisation = self._factor(operator(M_J, dM, h_J, c_J, c), st.factorisation)
-            one = jnp.ones((), dtype)
+            one = jnp.ones((), real)
             out = attempt(M_J, dM, h_J, c_J, t_J, y_J, c, factorisation, one)
             return (M_J, dM, h_J, c_J, t_J, y_J, c, factorisation), out
 
@@ -714,10 +759,10 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         )
         M_J, dM, h_J, c_J, t_J, y_J, c_W, factorisation = jacobian
         # Derivatives at the converged corrector, not through the chord iteration.
-        y1, d = corrector(y1, d, self.linear_solver, g, t1, y_predict, psi, alpha_q)
+        y1, d = corrector(y1, d, self.linear_solver, g, t1, y_predict, psi, alpha_q.astype(dtype))
         iters = iters + jnp.where(retry, first[1], 0)
 
-        error = error_const[q] * d
+        error = error_const[q].astype(dtype) * d
         error = jnp.where(converged, error, jnp.inf)
         result = RESULTS.where(converged, RESULTS.successful, RESULTS.nonlinear_divergence)
 
@@ -729,18 +774,18 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         cols = rows.T
         update = jnp.where(
             rows <= q,
-            ((rows >= 1) & (rows <= cols) & (cols <= q)).astype(dtype),
+            ((rows >= 1) & (rows <= cols) & (cols <= q)).astype(real),
             jnp.where(
                 rows == q + 2,
-                -(cols == q + 1).astype(dtype),
-                ((rows == cols) & (rows > q + 2)).astype(dtype),
+                -(cols == q + 1).astype(real),
+                ((rows == cols) & (rows > q + 2)).astype(real),
             ),
         )
         # Row 0 is y1, and the other rows read neither y0 nor y1 (the rescaling keeps row 0
         # apart): combined from the old rows 1 to K + 1 and d only, a third fewer products
         # in a pass that is bound by them.
         on_d = (rows[1:] >= 1) & (rows[1:] <= q + 2)
-        update = jnp.concatenate([_matmul(update, rescale)[1:, 1:], on_d.astype(dtype)], axis=1)
+        update = jnp.concatenate([_matmul(update, rescale)[1:, 1:], on_d.astype(real)], axis=1)
         D_new = jnp.concatenate([y1[None], _combine(update, [*history[1:], d])])
         steps_at_order = steps_at_order + 1
         if self.variable_order:

@@ -12,6 +12,7 @@ reverse mode takes.
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import lineax as lx
 
@@ -28,7 +29,8 @@ class _StructuredJacobian(lx.AbstractLinearSolver):
     solver: lx.AbstractLinearSolver
 
     def init(self, operator, options):
-        return self.solver.init(solver_operator(operator.fn, operator.x, operator.args), options)
+        op = solver_operator(operator.fn, operator.x, operator.args)
+        return self.solver.init(op, options)
 
     def compute(self, state, vector, options):
         return self.solver.compute(state, vector, options)
@@ -67,15 +69,33 @@ def corrector(y, d, linear_solver, g, t1, y_predict, psi, alpha_q):
     docstring) with respect to `y_predict`, `psi`, `t1` and whatever `g` closes over
     (the vector field's arguments and parameters)."""
     y_star = jax.lax.stop_gradient(y)
+
+    def residual(z):
+        return g(t1, z) / alpha_q - psi - (z - y_predict)
+
+    if jnp.iscomplexobj(y_star):
+        # A complex state is differentiated as its real and imaginary parts: the
+        # implicit function theorem needs the derivative of the residual itself, which
+        # for a vector field that is not holomorphic (`jnp.conj`, `jnp.abs`) is only
+        # real-linear, where the complex Jacobian the chord iteration uses is not it.
+        n = y_star.shape[0]
+        complex_residual = residual
+
+        def residual(u):
+            r = complex_residual(jax.lax.complex(u[:n], u[n:]))
+            return jnp.concatenate([r.real, r.imag])
+
+        y_star = jnp.concatenate([y_star.real, y_star.imag])
     # Closure-converted, as `optimistix.root_find` converts its function: the arrays `g`
     # closes over become inputs that `implicit_jvp` differentiates.
-    residual = eqx.filter_closure_convert(
-        lambda z: g(t1, z) / alpha_q - psi - (z - y_predict), y_star
-    )
+    residual = eqx.filter_closure_convert(residual, y_star)
     solver = _StructuredJacobian(linear_solver)
     inputs = (y_star, residual)
-    y, _ = implicit_jvp(_primal, _residual, inputs, frozenset(), solver)
-    return y, _correction(jax.lax.stop_gradient(d), y, y_predict)
+    y_diff, _ = implicit_jvp(_primal, _residual, inputs, frozenset(), solver)
+    if jnp.iscomplexobj(y):
+        # Exactly `y` (its parts, put back together), with their derivatives.
+        y_diff = jax.lax.complex(y_diff[:n], y_diff[n:])
+    return y_diff, _correction(jax.lax.stop_gradient(d), y_diff, y_predict)
 
 
 @jax.custom_jvp
