@@ -433,7 +433,9 @@ def controller_for(solver, rtol, atol):
     if hasattr(dl, "PredictiveController"):
         if isinstance(solver, dl.AbstractRosenbrockW):
             return dl.PredictiveController(rtol=rtol, atol=atol, steady=(0.9, 1.2))
-        ours_root_finder = isinstance(
+        # Kvaerno5 with our root finder (our BDF carries a `VeryChord` too, for its own
+        # iteration, and is not a Runge-Kutta solver).
+        ours_root_finder = isinstance(solver, diffrax.AbstractRungeKutta) and isinstance(
             getattr(solver, "root_finder", None), (dl.VeryChord, dl.Newton)
         )
         if isinstance(solver, (dl.Rodas5P, dl.Rodas4P)) or ours_root_finder:

@@ -397,3 +397,23 @@ def test_variable_order_bdf_is_refused_and_fixed_order_bdf_follows():
     digits = _digits(new.ys[-1], _OREGO_60, rtol, atol)
     digits_old = _digits(old.ys[-1], _OREGO_60, rtol, atol)
     assert digits > 3 and abs(digits - digits_old) < 1, (digits, digits_old)
+
+
+def test_stiff_peers_gives_each_solver_its_controller():
+    """`benchmarks/stiff_peers.py` runs each of ours with the controller the stiff guide
+    recommends for it: Gustafsson's for the Rosenbrock solvers and for Kvaerno5 with our
+    root finders, Diffrax's for the BDFs (the variable-order one refuses Gustafsson's; our
+    BDF carries a `VeryChord` too, which must not count as Kvaerno5's)."""
+    from benchmarks.stiff_peers import _ours, controller_for
+
+    want = {
+        "ours VeryChord": dl.PredictiveController,
+        "ours Newton": dl.PredictiveController,
+        "ours Rodas5P": dl.PredictiveController,
+        "ours Rodas4P": dl.PredictiveController,
+        "ours ROS34PW2": dl.PredictiveController,
+        "ours BDF": diffrax.PIDController,
+        "ours BDF var": diffrax.PIDController,
+    }
+    for name, kind in want.items():
+        assert type(controller_for(_ours(name)(), 1e-6, 1e-8)) is kind, name
