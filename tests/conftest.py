@@ -1,5 +1,6 @@
 import itertools
 import os
+import re
 
 
 # The suite is compile-bound: about a thousand tests each trace and compile small programs,
@@ -10,12 +11,15 @@ import os
 # `make test-latest` sets DIFFRAX_LINEARIZE_TEST_FAST_COMPILE=0 and so runs the suite as
 # users compile (XLA's default level); an XLA_FLAGS that names a level is left alone.
 _FLAGS = os.environ.get("XLA_FLAGS", "")
-FAST_COMPILE = (
+if (
     os.environ.get("DIFFRAX_LINEARIZE_TEST_FAST_COMPILE", "1") != "0"
     and "xla_backend_optimization_level" not in _FLAGS
-)
-if FAST_COMPILE:
+):
     os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
+# Read back from the flags, not from the test above: pytest-xdist's workers inherit the
+# XLA_FLAGS that this module set in the controlling process (3 is XLA's default level).
+_LEVEL = re.findall(r"--xla_backend_optimization_level=(\d+)", os.environ.get("XLA_FLAGS", ""))
+BELOW_DEFAULT_OPT = bool(_LEVEL) and int(_LEVEL[-1]) < 3
 
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
 import pytest  # noqa: E402
@@ -30,9 +34,9 @@ def pytest_collection_modifyitems(config, items):
     # Tests marked `default_xla_opt` want two XLA programs to agree to the step: that holds
     # while their rounding differences flip no accept/reject decision, as at XLA's default
     # level on their paths, not at -O0. They run in `make test-latest`.
-    if FAST_COMPILE:
+    if BELOW_DEFAULT_OPT:
         skip = pytest.mark.skip(
-            reason="compiled at -O0 (`make test`); runs at XLA's default level in make test-latest"
+            reason="compiled below XLA's default level (`make test`: -O0); runs in make test-latest"
         )
         for item in items:
             if "default_xla_opt" in item.keywords:
