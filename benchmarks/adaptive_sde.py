@@ -1088,6 +1088,38 @@ def plot(rows, out=None):
     return out
 
 
+def plot_breakdown(rows, out=None):
+    """The breakdown's plot: per SDE and path, the time of a loop iteration of each variant
+    over the fixed step's (bars), the fixed step at 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["problem"], r["path"]) for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 0.6 + 0.45 * len(cases) * len(variants) / 2))
+    height = 0.8 / len(variants)
+    for k, variant in enumerate(variants):
+        ratios = {
+            (r["problem"], r["path"]): r["ratio_to_fixed"] for r in rows if r["variant"] == variant
+        }
+        ys = [i + k * height for i, case in enumerate(cases) if case in ratios]
+        ax.barh(ys, [ratios[c] for c in cases if c in ratios], height, label=variant, color=f"C{k}")
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(cases))])
+    ax.set_yticklabels([f"{p} ({path})" for p, path in cases], fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("time of a loop iteration / the fixed step's (fastest round)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    out = out or plot_path("adaptive_sde_breakdown")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer paths and tolerances")
@@ -1104,6 +1136,7 @@ def main(argv=None):
         name = "adaptive_sde_breakdown" + ("_quick" if options.quick else "")
         note = "quick mode: fewer paths" if options.quick else "full run"
         print(f"wrote {write_results(name, rows, quick=options.quick, note=note)}")
+        print(f"plot: {plot_breakdown(rows, out=plot_path(name))}")
         return
     run(quick=options.quick)
 

@@ -1183,14 +1183,22 @@ PLOTTERS = {
     "adaptive_sde_quick": "benchmarks.adaptive_sde",
     "linear_crossover": "benchmarks.linear_crossover",
     "ensemble_lanes": "benchmarks.ensemble_lanes",
+    "adaptive_sde_breakdown": "benchmarks.adaptive_sde:plot_breakdown",
+    "adaptive_sde_breakdown_quick": "benchmarks.adaptive_sde:plot_breakdown",
 }
 
 
 def derived(data: dict) -> dict:
     """`data` (one JSON result) with its derived numbers (ratios, summaries) recomputed from
     its timings by its benchmark's `derive`; unchanged for a benchmark without one."""
-    module = PLOTTERS.get(data["benchmark"])
-    derive = getattr(importlib.import_module(module), "derive", None) if module else None
+    # "module:function": a plot drawn by another benchmark's module, whose `derive` is that
+    # benchmark's, not this one's.
+    module, _, function = PLOTTERS.get(data["benchmark"], "").partition(":")
+    derive = (
+        getattr(importlib.import_module(module), "derive", None)
+        if module and not function
+        else None
+    )
     return derive(data) if derive else data
 
 
@@ -1206,9 +1214,10 @@ def rederive():
 def replot():
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
-        module = PLOTTERS.get(data["benchmark"])
-        if module is not None:
-            importlib.import_module(module).plot(data["rows"], out=path.with_suffix(".png"))
+        module, _, function = PLOTTERS.get(data["benchmark"], "").partition(":")
+        if module:
+            plot = getattr(importlib.import_module(module), function or "plot")
+            plot(data["rows"], out=path.with_suffix(".png"))
             print(f"drew {path.with_suffix('.png')}")
 
 
