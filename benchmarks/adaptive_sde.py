@@ -88,6 +88,20 @@ where lanes pay: paths whose step counts spread widely). The ratios by steps
 per path (the mean, what each path needs on its own) are the lockstep-free comparison; the
 ratio of `max_steps_path` to `steps` of an adaptive row is what the lockstep adds to its time.
 
+One step for the whole batch ("ours adaptive, shared step", the diagonal-noise SDEs): the
+batch solved as one SDE of `n_paths * M` unknowns (the drift and the diagonal of the
+diffusion `jax.vmap`ped over paths, the diffusion a `lineax.DiagonalLinearOperator`), with
+ours and `diffrax.PIDController` (the same PI coefficients, the max norm: every unknown of
+every path within the tolerances) on the paths' own trees (`_BatchedPath`), so on the same
+paths and against the same reference as every other contender (a test checks that at a fixed
+step it is the per-path solve, path for path). Every path takes every step of the hardest
+path at that time, so by steps it pays more than per-path steps would, but it pays no
+lockstep and no per-path step times: its loop iteration is the fixed one's. This is Julia's
+`EnsembleGPUArray` way. It wins where the difficulty varies with time alike on every path
+(the noise bursts at t = 0.5, which is when every path needs small steps) and loses where
+each path has its own hard moment (Van der Pol's relaxation jumps come at different times on
+different paths, so the shared step is small wherever any path jumps).
+
 Where the time of an adaptive step goes (`--breakdown`, written as `adaptive_sde_breakdown`;
 hB, 2026-12-05, rough, loaded machine). By time, fixed / adaptive at equal error is the
 ratio by mean steps divided by the lockstep (`max_steps_path / steps` of the adaptive row,
@@ -140,6 +154,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import lineax as lx
 import numpy as np
 import optimistix as optx
 
@@ -176,6 +191,8 @@ GOALS = {
     "HalfSolver / adaptive": (">=", 1.5),
     "adaptive / Diffrax best": ("<=", 1.0),
     "adaptive 1.5 / Diffrax best": ("<=", 1.0),
+    "fixed / adaptive, shared step": (">=", 2.0),
+    "adaptive, shared step / Diffrax best": ("<=", 1.0),
 }
 ACCEPTANCE = ("fixed / adaptive", "HalfSolver / adaptive", "adaptive / Diffrax best")
 # (what, numerator, denominator) of each acceptance row: costs at equal error, `None` for
@@ -185,6 +202,8 @@ RATIOS = (
     ("HalfSolver / adaptive", "HalfSolver(ours)", "ours adaptive"),
     ("adaptive / Diffrax best", "ours adaptive", None),
     ("adaptive 1.5 / Diffrax best", "ours 1.5 adaptive", None),
+    ("fixed / adaptive, shared step", "ours fixed", "ours adaptive, shared step"),
+    ("adaptive, shared step / Diffrax best", "ours adaptive, shared step", None),
     ("fixed / SPaRK fixed", "ours fixed", "SPaRK fixed"),
     ("fixed 1.5 / SPaRK fixed", "ours 1.5 fixed", "SPaRK fixed"),
     ("I-controller / PI", "ours adaptive, I-controller", "ours adaptive"),
@@ -252,6 +271,7 @@ PROBLEMS = {
         noise="commutative",
         f=_well_f,
         g=_well_g,
+        diagonal=True,
         y0=(-1.0, 1.0),
         ours=dl.ItoMilstein(),
         # The strong order 1.5 Itô-Taylor scheme (diagonal noise, explicit), as a further
@@ -268,6 +288,7 @@ PROBLEMS = {
         noise="commutative, stiff",
         f=_vdp_f,
         g=_vdp_g,
+        diagonal=True,
         y0=(2.0, 0.6),
         # Newton: at the larger fixed steps the default `VeryChord` does not converge.
         ours=dl.ImplicitItoMilstein(root_finder=_NEWTON),
@@ -398,6 +419,14 @@ def _contenders(problem: dict, quick: bool) -> dict[str, dict]:
         "ours adaptive, I-controller": dict(solver=ours, ito=True, adaptive=True),
         "ours fixed": dict(solver=ours, ito=True, adaptive=False),
     }
+    if problem.get("diagonal"):
+        # The batch as one system with one step for every path (`_make_shared_solve`); on Van
+        # der Pol, whose paths jump at different times, its steps grow fast with the
+        # tolerance: the looser tolerances only.
+        params = [1e-1, 3e-2, 1e-2, 3e-3, 1e-3] if "stiff" in problem["noise"] else None
+        out["ours adaptive, shared step"] = dict(
+            solver=ours, ito=True, adaptive=True, shared=True, params=params, **pi
+        )
     if "ours15" in problem:
         # Diffrax's SDE controller: fewer steps at equal error than (0.3, 0.4) for it.
         ctrl = dict(controller=DIFFRAX_CONTROLLER)
@@ -435,6 +464,8 @@ def _make_solve(
     for all paths (or one per path with `param_axis=0`). An adaptive contender's
     `controller` options override the tolerances and `dtmin`; its `dt0` is Diffrax's
     automatic first step unless it names one."""
+    if contender.get("shared"):
+        return _make_shared_solve(problem, contender, n_ref, max_steps)
     f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], problem["g"])
     g = problem["g"]
     y0 = jnp.asarray(problem["y0"])
@@ -446,9 +477,7 @@ def _make_solve(
         if general:
             kind = "iterated" if contender["ito"] else "spacetime"
             return _GridPath(T1 / n_ref, kind, key)
-        return dfx.VirtualBrownianTree(
-            0.0, T1, tol=T1 / (4 * n_ref), shape=(M,), key=key, levy_area=dfx.SpaceTimeLevyArea
-        )
+        return _tree(key, n_ref)
 
     def one(key, param):
         bm = path(key)
@@ -474,6 +503,89 @@ def _make_solve(
         return sol.ys[-1], sol.stats["num_steps"], sol.result == dfx.RESULTS.successful
 
     return jax.vmap(one, in_axes=(0, param_axis))
+
+
+def _tree(key, n_ref: int) -> dfx.VirtualBrownianTree:
+    return dfx.VirtualBrownianTree(
+        0.0, T1, tol=T1 / (4 * n_ref), shape=(M,), key=key, levy_area=dfx.SpaceTimeLevyArea
+    )
+
+
+class _BatchedPath(dfx.AbstractBrownianPath):
+    """The Brownian paths of a batch (`paths`: a `jax.vmap`ped `VirtualBrownianTree`, one per
+    path) as one path of the flattened batch, queried at times shared by every path: the
+    values each path's own tree gives at those times, so that a solve of the whole batch as
+    one system sees the same Brownian paths as the per-path solves."""
+
+    paths: dfx.VirtualBrownianTree
+
+    @property
+    def t0(self):
+        return self.paths.t0
+
+    @property
+    def t1(self):
+        return self.paths.t1
+
+    @property
+    def levy_area(self):
+        return self.paths.levy_area
+
+    def evaluate(self, t0, t1=None, left=True, use_levy=False):
+        out = jax.vmap(lambda path: path.evaluate(t0, t1, left, use_levy))(self.paths)
+        if not use_levy:
+            return out.reshape(-1)
+        # The step `dt` is the same on every path.
+        return dfx.SpaceTimeLevyArea(dt=out.dt[0], W=out.W.reshape(-1), H=out.H.reshape(-1))
+
+
+def _make_shared_solve(problem: dict, contender: dict, n_ref: int, max_steps: int):
+    """As `_make_solve`, for the contender that solves the whole batch as one SDE with one
+    step size for every path (diagonal noise: the flattened batch's diffusion is a
+    `lineax.DiagonalLinearOperator`): one `diffeqsolve` of `n_paths * M` unknowns whose
+    controller holds every unknown of every path within the tolerances (max norm), on the
+    paths' own Brownian trees (`_BatchedPath`), so on the same paths and against the same
+    reference as the per-path contenders. Every path then takes the same steps, with scalar
+    step times, as at fixed steps, and the loop ends when the batch is done."""
+    assert problem.get("diagonal") and contender["ito"]
+    f, g = problem["f"], problem["g"]
+    solver = contender["solver"]
+
+    def solve(keys, param):
+        n = keys.shape[0]
+        paths = jax.vmap(lambda key: _tree(key, n_ref))(keys)
+
+        def drift(t, y, args):
+            return jax.vmap(lambda yi: f(t, yi, args))(y.reshape(n, M)).reshape(-1)
+
+        def diffusion(t, y, args):
+            diagonal = jax.vmap(lambda yi: jnp.diagonal(g(t, yi, args)))(y.reshape(n, M))
+            return lx.DiagonalLinearOperator(diagonal.reshape(-1))
+
+        terms = dfx.MultiTerm(dfx.ODETerm(drift), dfx.ControlTerm(diffusion, _BatchedPath(paths)))
+        if contender["adaptive"]:
+            options = dict(rtol=param, atol=param, norm=optx.max_norm)
+            controller = dfx.PIDController(**{**options, **contender.get("controller", {})})
+            dt0 = contender.get("dt0")
+        else:
+            controller = dfx.ConstantStepSize()
+            dt0 = param
+        sol = dfx.diffeqsolve(
+            terms,
+            solver,
+            0.0,
+            T1,
+            dt0,
+            jnp.tile(jnp.asarray(problem["y0"]), n),
+            stepsize_controller=controller,
+            max_steps=max_steps,
+            throw=False,
+        )
+        ok = sol.result == dfx.RESULTS.successful
+        steps = sol.stats["num_steps"]
+        return sol.ys[-1].reshape(n, M), jnp.full(n, steps), jnp.full(n, ok)
+
+    return solve
 
 
 def _calls_per_step(problem: dict, contender: dict) -> int:
@@ -562,7 +674,7 @@ def _run_problem(name: str, problem: dict, quick: bool) -> tuple[list[dict], dic
     assert bool(jnp.all(ok)), name
     fns = {}
     for c, spec in contenders.items():
-        for p in _params(spec["adaptive"], quick):
+        for p in spec.get("params") or _params(spec["adaptive"], quick):
             fns[(c, p)] = (solves[c], (keys, p))
     labelled = {f"{c} @ {p:g}": fn for (c, p), fn in fns.items()}
     outputs, times = time_contenders_output(
@@ -785,7 +897,10 @@ TABLE_NOTE = (
     "steps, on the same paths (above 1: at fixed steps SPaRK's step buys its accuracy "
     "more cheaply than ours; `fixed_steps` in the JSON has it step by step). The last line "
     "of each SDE: ours with Diffrax's default I-controller over ours with its PI "
-    "controller. Where an error comes within a few times the reference's own (its change "
+    'controller. "shared step": ours adaptive on the batch as one system, one step size for '
+    "every path (the max norm over every path), on the same paths (a fixed cost per "
+    "iteration, no lockstep; diagonal-noise SDEs only). Where an error comes within a few "
+    "times the reference's own (its change "
     "when its step is doubled, `references` in the JSON), it is partly the reference's."
 )
 

@@ -272,3 +272,28 @@ def test_breakdown_variants_take_the_fixed_steps():
         np.testing.assert_allclose(y_adaptive, y, rtol=1e-10, atol=1e-10)
     # Not a solve that ignores the path: another path lands elsewhere.
     assert float(jnp.max(jnp.abs(y[0] - y[1]))) > 1e-3
+
+
+@pytest.mark.parametrize("name", [n for n, p in bench.PROBLEMS.items() if p.get("diagonal")])
+def test_shared_step_solves_the_same_paths(name):
+    # The shared-step contender solves the batch as one system on the paths' own trees: at a
+    # fixed step it is the per-path solve, path for path (up to the implicit solver's Newton
+    # tolerance, whose norm now spans the batch); adaptive, every path takes the same steps.
+    problem = bench.PROBLEMS[name]
+    contenders = bench._contenders(problem, quick=True)
+    shared = contenders["ours adaptive, shared step"]
+    n_ref = 2**10
+    keys = jr.split(jr.key(2), 4)
+    per_path = bench._make_solve(problem, contenders["ours fixed"], n_ref, n_ref)
+    fixed_shared = bench._make_solve(problem, dict(shared, adaptive=False), n_ref, n_ref)
+    # (Van der Pol's fixed Newton solve fails at steps above about 2^-7.)
+    dt = 2.0**-8
+    ys, steps, ok = jax.jit(per_path)(keys, dt)
+    ys_shared, steps_shared, ok_shared = jax.jit(fixed_shared)(keys, dt)
+    assert np.all(ok) and np.all(ok_shared)
+    assert np.array_equal(steps, steps_shared)
+    tol = 1e-6 if "stiff" in problem["noise"] else 1e-12
+    np.testing.assert_allclose(ys_shared, ys, rtol=tol, atol=tol)
+    ys, steps, ok = jax.jit(bench._make_solve(problem, shared, n_ref, n_ref))(keys, 1e-2)
+    assert np.all(ok) and steps.shape == (4,) and len(set(np.asarray(steps).tolist())) == 1
+    assert np.all(np.isfinite(ys))
