@@ -100,7 +100,9 @@ lockstep and no per-path step times: its loop iteration is the fixed one's. This
 `EnsembleGPUArray` way. It wins where the difficulty varies with time alike on every path
 (the noise bursts at t = 0.5, which is when every path needs small steps) and loses where
 each path has its own hard moment (Van der Pol's relaxation jumps come at different times on
-different paths, so the shared step is small wherever any path jumps).
+different paths, so the shared step is small wherever any path jumps). `diffrax.SPaRK` is run
+the same way ("diffrax.SPaRK, shared step"), and "Diffrax's best adaptive solver" at an error
+is the cheaper of its two ways to batch, for ours per path as for ours with a shared step.
 
 Where the time of an adaptive step goes (`--breakdown`, written as `adaptive_sde_breakdown`;
 hB, 2026-12-05, rough, loaded machine). By time, fixed / adaptive at equal error is the
@@ -441,6 +443,12 @@ def _contenders(problem: dict, quick: bool) -> dict[str, dict]:
     # At fixed steps too, on the same paths: how much more accurate SPaRK's step is than ours
     # at the same step, against how much more it costs (`fixed_steps`).
     out["SPaRK fixed"] = dict(solver=dfx.SPaRK(), ito=False, adaptive=False)
+    if problem.get("diagonal"):
+        # SPaRK on the batch as one system too, so that Diffrax's best adaptive solver at an
+        # error is the cheaper of its two ways to batch, as ours' is.
+        out["diffrax.SPaRK, shared step"] = dict(
+            out["diffrax.SPaRK"], shared=True, params=out["ours adaptive, shared step"]["params"]
+        )
     if not quick:
         out["diffrax.Heun"] = dict(solver=dfx.Heun(), ito=False, adaptive=True, **peer)
     return out
@@ -547,8 +555,9 @@ def _make_shared_solve(problem: dict, contender: dict, n_ref: int, max_steps: in
     paths' own Brownian trees (`_BatchedPath`), so on the same paths and against the same
     reference as the per-path contenders. Every path then takes the same steps, with scalar
     step times, as at fixed steps, and the loop ends when the batch is done."""
-    assert problem.get("diagonal") and contender["ito"]
-    f, g = problem["f"], problem["g"]
+    assert problem.get("diagonal")
+    g = problem["g"]
+    f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], g)
     solver = contender["solver"]
 
     def solve(keys, param):
@@ -899,7 +908,8 @@ TABLE_NOTE = (
     "of each SDE: ours with Diffrax's default I-controller over ours with its PI "
     'controller. "shared step": ours adaptive on the batch as one system, one step size for '
     "every path (the max norm over every path), on the same paths (a fixed cost per "
-    "iteration, no lockstep; diagonal-noise SDEs only). Where an error comes within a few "
+    "iteration, no lockstep; diagonal-noise SDEs only), and SPaRK likewise; Diffrax's best "
+    "is the cheapest of its adaptive contenders, per path or shared step. Where an error comes within a few "
     "times the reference's own (its change "
     "when its step is doubled, `references` in the JSON), it is partly the reference's."
 )
@@ -1180,9 +1190,9 @@ def plot(rows, out=None):
             if not sel:
                 continue
             style = dict(
-                marker="o" if method.startswith("ours") else "s",
+                marker="^" if "shared" in method else "o" if method.startswith("ours") else "s",
                 ls="-" if method.startswith("ours") else "--",
-                color=f"C{k}",
+                color=plt.cm.tab20(k % 20),
                 label=method,
                 ms=4,
             )

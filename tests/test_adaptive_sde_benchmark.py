@@ -276,7 +276,7 @@ def test_breakdown_variants_take_the_fixed_steps():
 
 @pytest.mark.parametrize("name", [n for n, p in bench.PROBLEMS.items() if p.get("diagonal")])
 def test_shared_step_solves_the_same_paths(name):
-    # The shared-step contender solves the batch as one system on the paths' own trees: at a
+    # The shared-step contenders solve the batch as one system on the paths' own trees: at a
     # fixed step it is the per-path solve, path for path (up to the implicit solver's Newton
     # tolerance, whose norm now spans the batch); adaptive, every path takes the same steps.
     problem = bench.PROBLEMS[name]
@@ -297,3 +297,9 @@ def test_shared_step_solves_the_same_paths(name):
     ys, steps, ok = jax.jit(bench._make_solve(problem, shared, n_ref, n_ref))(keys, 1e-2)
     assert np.all(ok) and steps.shape == (4,) and len(set(np.asarray(steps).tolist())) == 1
     assert np.all(np.isfinite(ys))
+    # SPaRK's shared-step contender (Stratonovich drift, space-time Lévy areas) likewise.
+    spark, spark_shared = contenders["SPaRK fixed"], contenders["diffrax.SPaRK, shared step"]
+    ys = jax.jit(bench._make_solve(problem, spark, n_ref, n_ref))(keys, dt)[0]
+    spark_fixed_shared = dict(spark_shared, adaptive=False)
+    ys_shared = jax.jit(bench._make_solve(problem, spark_fixed_shared, n_ref, n_ref))(keys, dt)[0]
+    np.testing.assert_allclose(ys_shared, ys, rtol=1e-12, atol=1e-12)
