@@ -909,9 +909,9 @@ TABLE_NOTE = (
     'controller. "shared step": ours adaptive on the batch as one system, one step size for '
     "every path (the max norm over every path), on the same paths (a fixed cost per "
     "iteration, no lockstep; diagonal-noise SDEs only), and SPaRK likewise; Diffrax's best "
-    "is the cheapest of its adaptive contenders, per path or shared step. Where an error comes within a few "
-    "times the reference's own (its change "
-    "when its step is doubled, `references` in the JSON), it is partly the reference's."
+    "is the cheapest of its adaptive contenders, per path or shared step. Where an error "
+    "comes within a few times the reference's own (its change when its step is doubled, "
+    "`references` in the JSON), it is partly the reference's."
 )
 
 
