@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from diffrax_linearize._compat import subjaxprs
+from helpers import jacfwd_compiled
 from jax.flatten_util import ravel_pytree
 from test_sparsity import _input, FIELDS, laplacian_pad
 
 
 def _reference(fn, x):
-    """The obviously-correct slow path: the dense Jacobian of the flattened function
-    (compiled as one program: run eagerly, each primitive would be a compilation)."""
+    """The obviously-correct slow path: the dense Jacobian of the flattened function."""
     flat, unravel = ravel_pytree(x)
-    jac = jax.jit(jax.jacfwd(lambda v: ravel_pytree(fn(unravel(v)))[0]))(flat)
+    jac = jacfwd_compiled(lambda v: ravel_pytree(fn(unravel(v)))[0], flat)
     return unravel(jnp.diagonal(jac))
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from benchmarks import structure
+from helpers import jacfwd_compiled
 
 
 # ---- the fields ---------------------------------------------------------------------------
@@ -114,12 +115,6 @@ def _state(shape):
     return jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, shape))
 
 
-def _jacfwd(fn, y):
-    """`jax.jacfwd(fn)(y)` compiled as one program: run eagerly, each of its primitives is a
-    compilation of its own, several times the time."""
-    return jax.jit(jax.jacfwd(fn))(y)
-
-
 _CASES = {
     "reaction_diffusion_species_first": (reaction_diffusion_species_first, (2, 7)),
     "reaction_diffusion_species_last": (reaction_diffusion_species_last, (7, 2)),
@@ -191,7 +186,7 @@ def test_not_dense(name):
     assert not report.densified, str(report)
     assert not any(k.startswith("dense") for k in report.kinds), str(report)
     op = dl.materialise_operator(fn, _state(shape))
-    dense = np.asarray(_jacfwd(fn, _state(shape)))
+    dense = np.asarray(jacfwd_compiled(fn, _state(shape)))
     np.testing.assert_allclose(np.asarray(op.as_matrix()), dense.reshape(op.as_matrix().shape))
     assert _stored(op) < dense.size
 
@@ -253,7 +248,7 @@ def test_cell_loops(name):
     report = dl.structure_report(fn, y)
     assert not report.densified, str(report)
     assert not any(k.startswith("dense") for k in report.kinds), str(report)
-    expected = _jacfwd(fn, y)
+    expected = jacfwd_compiled(fn, y)
     got = dl.materialise(fn, y)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
     for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
@@ -262,7 +257,7 @@ def test_cell_loops(name):
 
 def test_cell_loop_transforms():
     y = _state((40,))
-    expected = np.asarray(_jacfwd(cell_loop, y))
+    expected = np.asarray(jacfwd_compiled(cell_loop, y))
     jitted = jax.jit(lambda y: dl.materialise(cell_loop, y))
     np.testing.assert_allclose(np.asarray(jitted(y)), expected, rtol=1e-12)
     np.testing.assert_allclose(
@@ -276,12 +271,14 @@ def test_cell_loop_transforms():
     # Differentiating the Jacobian: the loop's values come from JVPs of the loop itself.
     second = jax.jacfwd(lambda y: dl.materialise(cell_loop, y))(y)
     np.testing.assert_allclose(
-        np.asarray(second), np.asarray(_jacfwd(jax.jacfwd(cell_loop), y)), rtol=1e-12
+        np.asarray(second), np.asarray(jacfwd_compiled(jax.jacfwd(cell_loop), y)), rtol=1e-12
     )
     single = y.astype(jnp.float32)
     got = dl.materialise(cell_loop, single)
     assert got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), np.asarray(_jacfwd(cell_loop, single)), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(jacfwd_compiled(cell_loop, single)), rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("n", [257, 300])
@@ -290,7 +287,7 @@ def test_long_cell_loop(n):
     # a longer one keeps the dense fallback, exact all the same.
     y = _state((n,))
     op = dl.materialise_operator(cell_loop, y)
-    dense = np.asarray(_jacfwd(cell_loop, y))
+    dense = np.asarray(jacfwd_compiled(cell_loop, y))
     np.testing.assert_allclose(np.asarray(op.as_matrix()), dense, rtol=1e-12)
     assert (_stored(op) <= 3 * n) == (n <= 257)
 
@@ -334,7 +331,7 @@ def test_loop_widening_reported(loop):
     with pytest.raises(Exception, match=loop):
         dl.materialise(field, y, strict=True)
     np.testing.assert_allclose(
-        np.asarray(dl.materialise(field, y)), np.asarray(_jacfwd(field, y)), rtol=1e-10
+        np.asarray(dl.materialise(field, y)), np.asarray(jacfwd_compiled(field, y)), rtol=1e-10
     )
 
 
@@ -377,7 +374,7 @@ def test_long_cell_loop_dense(kind):
     n = 300
     field = _long_loops(kind)
     y = _state((n,))
-    expected = np.asarray(_jacfwd(field, y))
+    expected = np.asarray(jacfwd_compiled(field, y))
     np.testing.assert_allclose(np.asarray(dl.materialise(field, y)), expected, rtol=1e-12)
     batched = jax.vmap(lambda y: dl.materialise(field, y))(jnp.stack([y, 0.5 * y]))
     np.testing.assert_allclose(np.asarray(batched[0]), expected, rtol=1e-12)
