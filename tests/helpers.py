@@ -10,6 +10,15 @@ from diffrax_linearize._interpreter import (  # the engine's walk over a program
 )
 
 
+def jacfwd_compiled(fn, *args, **kwargs):
+    """`jax.jacfwd(fn, **kwargs)(*args)`, the reference Jacobian, compiled as one program.
+    Run eagerly, each primitive of the reference is a compilation of its own: several
+    times the time on these small programs, most of some test files' time. For
+    comparisons within a tolerance; the NaN patterns "as `jax.jacfwd` (eager)" and the
+    exact comparisons keep the eager reference."""
+    return jax.jit(jax.jacfwd(fn, **kwargs))(*args)
+
+
 def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8, check_dtype=True) -> bool:
     """Same tree structure, and every pair of leaves has the same shape (and dtype) and is
     close."""

@@ -483,7 +483,8 @@ def test_backsolve_chaotic_raises():
 
 def test_backsolve_state_with_no_entries():
     # The recomputed-state check measured a state with no entries as NaN tolerances away
-    # (a mean over none) and raised; Diffrax's own gradient is the reference.
+    # (a mean over none) and raised. The reference is exact: the state has no entries, so
+    # the gradient is that of `a**2` (Diffrax's own `BacksolveAdjoint` gives it too).
     def loss(a, adjoint):
         sol = diffrax.diffeqsolve(
             diffrax.ODETerm(lambda t, y, a: -a * y),
@@ -498,5 +499,4 @@ def test_backsolve_state_with_no_entries():
         )
         return jnp.sum(sol.ys) + a**2
 
-    ours = jax.grad(loss)(1.5, dl.BacksolveAdjoint())
-    assert ours == jax.grad(loss)(1.5, diffrax.BacksolveAdjoint()) == 3.0
+    assert jax.grad(loss)(1.5, dl.BacksolveAdjoint()) == 3.0

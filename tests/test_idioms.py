@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from benchmarks import structure
+from helpers import jacfwd_compiled
 
 
 # ---- the fields ---------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def test_not_dense(name):
     assert not report.densified, str(report)
     assert not any(k.startswith("dense") for k in report.kinds), str(report)
     op = dl.materialise_operator(fn, _state(shape))
-    dense = np.asarray(jax.jacfwd(fn)(_state(shape)))
+    dense = np.asarray(jacfwd_compiled(fn, _state(shape)))
     np.testing.assert_allclose(np.asarray(op.as_matrix()), dense.reshape(op.as_matrix().shape))
     assert _stored(op) < dense.size
 
@@ -247,7 +248,7 @@ def test_cell_loops(name):
     report = dl.structure_report(fn, y)
     assert not report.densified, str(report)
     assert not any(k.startswith("dense") for k in report.kinds), str(report)
-    expected = jax.jacfwd(fn)(y)
+    expected = jacfwd_compiled(fn, y)
     got = dl.materialise(fn, y)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
     for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
@@ -256,7 +257,7 @@ def test_cell_loops(name):
 
 def test_cell_loop_transforms():
     y = _state((40,))
-    expected = np.asarray(jax.jacfwd(cell_loop)(y))
+    expected = np.asarray(jacfwd_compiled(cell_loop, y))
     jitted = jax.jit(lambda y: dl.materialise(cell_loop, y))
     np.testing.assert_allclose(np.asarray(jitted(y)), expected, rtol=1e-12)
     np.testing.assert_allclose(
@@ -265,18 +266,18 @@ def test_cell_loop_transforms():
     ys = jnp.stack([y, 2 * y, y**2])
     batched = jax.vmap(lambda y: dl.materialise_operator(cell_loop, y).as_matrix())(ys)
     np.testing.assert_allclose(
-        np.asarray(batched), np.asarray(jax.vmap(jax.jacfwd(cell_loop))(ys)), rtol=1e-12
+        np.asarray(batched), np.asarray(jax.jit(jax.vmap(jax.jacfwd(cell_loop)))(ys)), rtol=1e-12
     )
     # Differentiating the Jacobian: the loop's values come from JVPs of the loop itself.
     second = jax.jacfwd(lambda y: dl.materialise(cell_loop, y))(y)
     np.testing.assert_allclose(
-        np.asarray(second), np.asarray(jax.jacfwd(jax.jacfwd(cell_loop))(y)), rtol=1e-12
+        np.asarray(second), np.asarray(jacfwd_compiled(jax.jacfwd(cell_loop), y)), rtol=1e-12
     )
     single = y.astype(jnp.float32)
     got = dl.materialise(cell_loop, single)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(
-        np.asarray(got), np.asarray(jax.jacfwd(cell_loop)(single)), rtol=1e-6
+        np.asarray(got), np.asarray(jacfwd_compiled(cell_loop, single)), rtol=1e-6
     )
 
 
@@ -286,7 +287,7 @@ def test_long_cell_loop(n):
     # a longer one keeps the dense fallback, exact all the same.
     y = _state((n,))
     op = dl.materialise_operator(cell_loop, y)
-    dense = np.asarray(jax.jacfwd(cell_loop)(y))
+    dense = np.asarray(jacfwd_compiled(cell_loop, y))
     np.testing.assert_allclose(np.asarray(op.as_matrix()), dense, rtol=1e-12)
     assert (_stored(op) <= 3 * n) == (n <= 257)
 
@@ -330,7 +331,7 @@ def test_loop_widening_reported(loop):
     with pytest.raises(Exception, match=loop):
         dl.materialise(field, y, strict=True)
     np.testing.assert_allclose(
-        np.asarray(dl.materialise(field, y)), np.asarray(jax.jacfwd(field)(y)), rtol=1e-10
+        np.asarray(dl.materialise(field, y)), np.asarray(jacfwd_compiled(field, y)), rtol=1e-10
     )
 
 
@@ -373,7 +374,7 @@ def test_long_cell_loop_dense(kind):
     n = 300
     field = _long_loops(kind)
     y = _state((n,))
-    expected = np.asarray(jax.jacfwd(field)(y))
+    expected = np.asarray(jacfwd_compiled(field, y))
     np.testing.assert_allclose(np.asarray(dl.materialise(field, y)), expected, rtol=1e-12)
     batched = jax.vmap(lambda y: dl.materialise(field, y))(jnp.stack([y, 0.5 * y]))
     np.testing.assert_allclose(np.asarray(batched[0]), expected, rtol=1e-12)

@@ -359,8 +359,17 @@ def test_complex_state(solver):
     np.testing.assert_allclose(z1, ref.y[:, -1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("solver", [dl.Rodas5P, dl.ROS34PW2])
-@pytest.mark.parametrize("y0", [None, jnp.zeros((0, 3))])
+# Each solver and each empty state once by default; the other two pairs are second cases.
+@pytest.mark.parametrize(
+    "solver, y0",
+    [
+        (dl.Rodas5P, None),
+        (dl.ROS34PW2, jnp.zeros((0, 3))),
+        pytest.param(dl.Rodas5P, jnp.zeros((0, 3)), marks=pytest.mark.slow),
+        pytest.param(dl.ROS34PW2, None, marks=pytest.mark.slow),
+    ],
+    ids=["None-Rodas5P", "array-ROS34PW2", "array-Rodas5P", "None-ROS34PW2"],
+)
 def test_empty_state(solver, y0):
     """A state with no entries, which Diffrax's `test_basic` solves with every solver that
     is not implicit (found by `tests/diffrax_suite.py --stiff`; it raised in the linear

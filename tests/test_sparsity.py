@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from benchmarks import structure
 from diffrax_linearize import _interpreter, _linear_solver, _materialise, _sparsity
-from helpers import assert_tree_allclose, primitive_names
+from helpers import assert_tree_allclose, jacfwd_compiled, primitive_names
 
 
 _TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.float64: dict(rtol=1e-11, atol=1e-11)}
@@ -124,7 +124,7 @@ def test_field_matches_jacfwd(name, mode, dtype):
     fn, n = FIELDS[name]
     x = _input(n, dtype)
     out = jax.jit(lambda x: dl.materialise(fn, x, mode=mode, strict=True))(x)
-    assert_tree_allclose(out, jax.jacfwd(fn)(x), **_TOL[dtype])
+    assert_tree_allclose(out, jacfwd_compiled(fn, x), **_TOL[dtype])
 
 
 def _block(fn, x, mode="forward"):
@@ -145,7 +145,7 @@ def test_block_diagonal_storage(name):
     assert op.blocks.shape == (50, 3, 3)
     assert _leaf_size(op) == 9 * 50
     assert "block-diagonal 50 x 3 x 3" in _sparsity.describe(_block(fn, x))
-    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-12)
+    np.testing.assert_allclose(op.as_matrix(), jacfwd_compiled(fn, x), rtol=1e-12)
 
 
 def _primitives(fn, x):
@@ -191,7 +191,7 @@ def test_operator_reads_live_slots_only(name):
     struct = jax.ShapeDtypeStruct(x.shape, x.dtype)
     op = _operators.sparse_operator(poisoned, struct, struct)
     assert not isinstance(op, dl.SparseLinearOperator)  # not ELLPACK, which masks its slots
-    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-14, atol=0)
+    np.testing.assert_allclose(op.as_matrix(), jacfwd_compiled(fn, x), rtol=1e-14, atol=0)
 
 
 def test_made_by_transpose():
@@ -228,7 +228,7 @@ def test_vmap_over_cells_is_assembled_from_the_transpose_back():
     # Up to rounding: which sums XLA fuses, and so their last bit, differs between jax
     # versions (jax 0.12 rounds 17 of 22500 entries one unit apart from `materialise`).
     np.testing.assert_allclose(op.as_matrix(), dl.materialise(robertson_vmap, x), rtol=1e-14)
-    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(robertson_vmap)(x), rtol=1e-14)
+    np.testing.assert_allclose(op.as_matrix(), jacfwd_compiled(robertson_vmap, x), rtol=1e-14)
 
 
 _IRREGULAR = {
@@ -256,7 +256,7 @@ def test_irregular_patterns_against_jacfwd(name):
     x = _input(120, jnp.float64)
     op = dl.materialise_operator(fn, x)
     assert isinstance(op, lx.TridiagonalLinearOperator | dl.BlockDiagonalLinearOperator), op
-    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(op.as_matrix(), jacfwd_compiled(fn, x), rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize(
@@ -277,7 +277,9 @@ def test_conv_kernel_jacobian_is_the_patches(layer, shape):
     x = jnp.asarray(np.random.RandomState(0).randn(*shape), jnp.float64)
     w = jnp.asarray(layer.weight, jnp.float64)
     fn = lambda w: eqx.tree_at(lambda m: m.weight, layer, w)(x)
-    np.testing.assert_allclose(dl.materialise(fn, w), jax.jacfwd(fn)(w), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(
+        dl.materialise(fn, w), jacfwd_compiled(fn, w), rtol=1e-12, atol=1e-14
+    )
     (kind,) = dl.structure_report(fn, w).kinds
     stored, dense = re.search(r"([\d,]+) numbers stored, dense ([\d,]+)", kind).groups()
     assert int(stored.replace(",", "")) * layer.out_channels <= int(dense.replace(",", "")), kind
@@ -315,7 +317,9 @@ def test_conv_kernel_route_layouts(shape, kernel, kwargs):
     x = jnp.asarray(np.random.RandomState(1).randn(*shape), jnp.float64)
     w = jnp.asarray(np.random.RandomState(2).randn(*kernel), jnp.float64)
     fn = lambda w: lax.conv_general_dilated(x, w, **kwargs)
-    np.testing.assert_allclose(dl.materialise(fn, w), jax.jacfwd(fn)(w), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(
+        dl.materialise(fn, w), jacfwd_compiled(fn, w), rtol=1e-12, atol=1e-14
+    )
 
 
 @pytest.mark.parametrize(
@@ -333,7 +337,7 @@ def test_strided_transposed_conv_input_jacobian_is_sparse(layer, shape):
     layer = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), layer(jax.random.key(0)))
     x = jnp.asarray(np.random.RandomState(0).randn(*shape), jnp.float64)
     np.testing.assert_allclose(
-        dl.materialise(layer, x), jax.jacfwd(layer)(x), rtol=1e-12, atol=1e-14
+        dl.materialise(layer, x), jacfwd_compiled(layer, x), rtol=1e-12, atol=1e-14
     )
     (kind,) = dl.structure_report(layer, x).kinds
     assert kind.startswith("sparse"), kind
@@ -345,14 +349,14 @@ def test_banded_storage():
     assert isinstance(op, lx.TridiagonalLinearOperator)
     assert _leaf_size(op) == 200 + 2 * 199
     assert "banded, offsets -1..1" in _sparsity.describe(_block(laplacian_pad, x))
-    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(laplacian_pad)(x), rtol=1e-12)
+    np.testing.assert_allclose(op.as_matrix(), jacfwd_compiled(laplacian_pad, x), rtol=1e-12)
     # A wider stencil: a banded operator of bandwidth 2 that stores only the diagonals
     # its pattern uses (offsets -2, 0 and 2: three numbers per row, not five).
     fn = lambda u: jnp.pad(u, 2)[4:] + jnp.pad(u, 2)[:-4] - 2 * u + jnp.tanh(u)
     op = dl.materialise_operator(fn, x)
     assert isinstance(op, dl.BandedLinearOperator)
     assert op.offsets == (-2, 0, 2) and op.bandwidths == (2, 2) and _leaf_size(op) == 3 * 200
-    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-12)
+    np.testing.assert_allclose(op.as_matrix(), jacfwd_compiled(fn, x), rtol=1e-12)
 
 
 @pytest.mark.parametrize("name, per_row", [("brusselator_2d", 6), ("laplacian_roll", 3)])
@@ -364,7 +368,7 @@ def test_periodic_stencil_storage(name, per_row):
     assert isinstance(op, dl.SparseLinearOperator)
     assert op.values.shape == (n, per_row)
     assert _leaf_size(op) == per_row * n
-    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(fn)(x), rtol=1e-12)
+    np.testing.assert_allclose(op.as_matrix(), jacfwd_compiled(fn, x), rtol=1e-12)
 
 
 def test_dirichlet_2d_is_banded_by_grid_rows():
@@ -373,7 +377,7 @@ def test_dirichlet_2d_is_banded_by_grid_rows():
     assert isinstance(op, dl.BandedLinearOperator)
     lower, upper = op.bandwidths
     assert lower == upper == 2 * 8  # species last: the grid's row is 16 numbers away
-    np.testing.assert_allclose(op.as_matrix(), jax.jacfwd(gray_scott_2d)(x), rtol=1e-12)
+    np.testing.assert_allclose(op.as_matrix(), jacfwd_compiled(gray_scott_2d, x), rtol=1e-12)
 
 
 def test_no_dense_block_at_scale():
@@ -427,7 +431,7 @@ def test_nbody_holds_no_pattern_of_the_bodies():
         consts[bodies] = _closed_over(closed)
         np.testing.assert_allclose(
             dl.materialise_operator(structure.nbody, x).as_matrix(),
-            jax.jacfwd(structure.nbody)(x),
+            jacfwd_compiled(structure.nbody, x),
             rtol=1e-11,
             atol=1e-9,
         )
@@ -462,7 +466,7 @@ LAZY_SUMS = {
 def test_sums_of_different_deltas(name):
     fn = LAZY_SUMS[name]
     x = jnp.asarray(np.random.RandomState(0).rand(8))
-    expected = jax.jacfwd(fn)(x)
+    expected = jacfwd_compiled(fn, x)
     np.testing.assert_allclose(dl.materialise(fn, x), expected, rtol=1e-12, atol=1e-12)
     op = dl.materialise_operator(fn, x)
     np.testing.assert_allclose(
@@ -497,7 +501,7 @@ def test_termwise_is_a_flag_of_the_rules():
         _interpreter.register_rule(lax.neg_p, termwise=flag)(counted)
         try:
             np.testing.assert_allclose(
-                dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-12, atol=1e-12
+                dl.materialise(fn, x), jacfwd_compiled(fn, x), rtol=1e-12, atol=1e-12
             )
         finally:
             registry[lax.neg_p] = neg
@@ -610,7 +614,7 @@ def test_idiom(name, mode):
     for dtype in (jnp.float32, jnp.float64) if mode == "forward" else (jnp.float64,):
         x = _input(12, dtype, seed=1)
         out = dl.materialise(fn, x, mode=mode, strict=name not in _LOSSY_IDIOMS)
-        assert_tree_allclose(out, jax.jacfwd(fn)(x), **_TOL[dtype])
+        assert_tree_allclose(out, jacfwd_compiled(fn, x), **_TOL[dtype])
 
 
 @pytest.mark.parametrize("name", _IDIOM_NAMES)
@@ -620,9 +624,10 @@ def test_idiom_with_patterns_kept(name, monkeypatch):
     monkeypatch.setattr(_sparsity, "DENSE_FRACTION", np.inf)
     fn = IDIOMS[name]
     x = _input(12, jnp.float64, seed=2)
+    expected = jacfwd_compiled(fn, x)
     for mode in ("forward", "reverse"):
         out = dl.materialise(fn, x, mode=mode, strict=name not in _LOSSY_IDIOMS)
-        assert_tree_allclose(out, jax.jacfwd(fn)(x), **_TOL[jnp.float64])
+        assert_tree_allclose(out, expected, **_TOL[jnp.float64])
 
 
 @pytest.mark.parametrize("name", list(_LOSSY_IDIOMS))
@@ -648,7 +653,7 @@ def test_scatter_add_sums_rows():
     fn = lambda y: jnp.zeros(4).at[jnp.array([0, 1, 1, 3, 0, 0, 2, 3, 1, 2])].add(jnp.sin(y))
     block = _block(fn, x)
     assert block.ell is not None and block.ell.S == 3  # at most three elements per output
-    assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-12)
+    assert_tree_allclose(dl.materialise(fn, x), jacfwd_compiled(fn, x), rtol=1e-12)
 
 
 def test_loop_structure_reaches_a_fixed_point():
@@ -660,7 +665,7 @@ def test_loop_structure_reaches_a_fixed_point():
         lambda s: s[0] < 4, lambda s: (s[0] + 1, robertson_stack(s[1]) * 1e-9 + s[1]), (0, y)
     )[1]
     assert "block-diagonal 20 x 3 x 3" in _sparsity.describe(_block(fn, x))
-    assert_tree_allclose(dl.materialise(fn, x), jax.jacfwd(fn)(x), rtol=1e-10)
+    assert_tree_allclose(dl.materialise(fn, x), jacfwd_compiled(fn, x), rtol=1e-10)
 
 
 def test_widening_band_is_widened_to_dense():
@@ -669,7 +674,7 @@ def test_widening_band_is_widened_to_dense():
     x = _input(16, jnp.float64)
     fn = lambda y: lax.fori_loop(0, 20, lambda i, u: u + 0.01 * laplacian_roll(u), y)
     out = dl.materialise(fn, x, strict=True)
-    assert_tree_allclose(out, jax.jacfwd(fn)(x), rtol=1e-10)
+    assert_tree_allclose(out, jacfwd_compiled(fn, x), rtol=1e-10)
 
 
 # ---- random stencil programs --------------------------------------------------------------
@@ -1019,7 +1024,7 @@ def test_operator_of_0d_input_transposes():
     v = jnp.float64(0.5)
     op = dl.materialise_operator(fn, v)
     assert isinstance(op, dl.SparseLinearOperator)
-    ref = jax.jacfwd(fn)(v)
+    ref = jacfwd_compiled(fn, v)
     np.testing.assert_array_equal(op.as_matrix()[:, 0], ref)
     u = jnp.arange(1.0, 1.0 + ref.size)
     assert op.T.out_structure() == jax.ShapeDtypeStruct((), jnp.float64)
@@ -1043,7 +1048,7 @@ def test_loop_by_colouring(steps):
     assert not report.densified
     for mode in ("forward", "reverse"):
         out = dl.materialise(fn, x, mode=mode, strict=True)
-        assert_tree_allclose(out, jax.jacfwd(fn)(x), rtol=1e-11, atol=1e-12)
+        assert_tree_allclose(out, jacfwd_compiled(fn, x), rtol=1e-11, atol=1e-12)
     assert isinstance(dl.materialise_operator(fn, x), dl.BandedLinearOperator)
 
 
@@ -1155,7 +1160,7 @@ def test_pool_keeps_the_window_pattern(name):
     the traced primal): a sparse pattern of one entry per window element, not dense."""
     fn = _POOLS[name]
     x = jnp.asarray([0.3, -1.2, 2.5, 1.9, -0.4, 1.9, 0.7, 0.0])
-    expected = jax.jacfwd(fn)(x)
+    expected = jacfwd_compiled(fn, x)
     if name != "max_dilated":  # JAX has no transpose for a dilated pool: forward only
         assert_tree_allclose(jax.jacrev(fn)(x), expected)
     for mode in ("forward", "reverse"):
@@ -1225,7 +1230,7 @@ def test_layer_per_cell_is_a_product_per_cell(fn):
     # value is the first layer's (at most 8 entries x 16 hidden units a cell).
     n = 4 * 50
     x = _input(n, jnp.float64)
-    J = jax.jacfwd(fn)(x)
+    J = jacfwd_compiled(fn, x)
     op = dl.materialise_operator(fn, x)
     assert isinstance(op, dl.SparseLinearOperator), type(op)
     np.testing.assert_allclose(op.as_matrix(), J, **_TOL[jnp.float64])

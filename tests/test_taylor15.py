@@ -254,6 +254,7 @@ def test_pid_controller_adapts_and_converges():
     errs, steps = _adaptive_errors([1e-2, 1e-3, 1e-4], 32)
     assert np.all(np.diff(steps) > 0), steps
     assert np.all(np.diff(errs) < 0), errs
+    assert errs[1] < 0.05, errs  # rtol 1e-3: the bound `test_jit_vmap_float32` holds float32 to
     order = -np.polyfit(np.log(steps), np.log(errs), 1)[0]
     assert order > 0.8, (order, errs, steps)
     assert dl.ItoTaylor15().error_order(None) == 1.5
@@ -333,7 +334,8 @@ def test_adaptive_order_one_comes_from_steps_that_read_their_own_increments():
 
 def test_jit_vmap_float32():
     """float32 in, float32 out, under `jax.jit` and `jax.vmap`, as close to the exact solution
-    as in float64 (a float32 tree samples another path than a float64 one)."""
+    as float64 is at the same tolerance (`test_pid_controller_adapts_and_converges`; a
+    float32 tree samples another path than a float64 one)."""
 
     def solve(key, dtype):
         shape = jax.ShapeDtypeStruct((2,), dtype)
@@ -355,11 +357,9 @@ def test_jit_vmap_float32():
 
     keys = jr.split(jr.key(7), 8)
     y32, exact32 = jax.jit(jax.vmap(lambda k: solve(k, jnp.float32)))(keys)
-    y64, exact64 = jax.jit(jax.vmap(lambda k: solve(k, jnp.float64)))(keys)
     assert y32.dtype == jnp.float32
     assert np.all(np.isfinite(y32))
     assert _rms(y32 - exact32) < 0.05
-    assert _rms(y64 - exact64) < 0.05
 
 
 def test_refuses_a_path_without_space_time_levy_area():
