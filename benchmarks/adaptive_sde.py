@@ -478,7 +478,6 @@ def _make_solve(
     f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], problem["g"])
     g = problem["g"]
     y0 = jnp.asarray(problem["y0"])
-    solver = contender["solver"]
     # The grid path for general noise, and wherever a contender asks for it (`breakdown`).
     general = problem["noise"] == "general" or contender.get("grid", False)
 
@@ -491,27 +490,35 @@ def _make_solve(
     def one(key, param):
         bm = path(key)
         terms = dfx.MultiTerm(dfx.ODETerm(f), dfx.ControlTerm(g, bm))
-        if contender["adaptive"]:
-            options = dict(rtol=param, atol=param, dtmin=T1 / n_ref if general else None)
-            controller = dfx.PIDController(**{**options, **contender.get("controller", {})})
-            dt0 = contender.get("dt0")
-        else:
-            controller = dfx.ConstantStepSize()
-            dt0 = param
-        sol = dfx.diffeqsolve(
-            terms,
-            solver,
-            0.0,
-            T1,
-            dt0,
-            y0,
-            stepsize_controller=controller,
-            max_steps=max_steps,
-            throw=False,
-        )
+        dtmin = T1 / n_ref if general else None
+        sol = _diffeqsolve(terms, contender, param, y0, max_steps, dtmin=dtmin)
         return sol.ys[-1], sol.stats["num_steps"], sol.result == dfx.RESULTS.successful
 
     return jax.vmap(one, in_axes=(0, param_axis))
+
+
+def _diffeqsolve(terms, contender: dict, param, y0, max_steps: int, **options):
+    """One solve over `[0, T1]` of `contender["solver"]`: adaptive at rtol = atol = `param`
+    with `diffrax.PIDController(**options)` and the contender's `controller` options over
+    them (its `dt0`, else Diffrax's automatic first step), or at the fixed step `param`."""
+    if contender["adaptive"]:
+        options = dict(options, rtol=param, atol=param)
+        controller = dfx.PIDController(**{**options, **contender.get("controller", {})})
+        dt0 = contender.get("dt0")
+    else:
+        controller = dfx.ConstantStepSize()
+        dt0 = param
+    return dfx.diffeqsolve(
+        terms,
+        contender["solver"],
+        0.0,
+        T1,
+        dt0,
+        y0,
+        stepsize_controller=controller,
+        max_steps=max_steps,
+        throw=False,
+    )
 
 
 def _tree(key, n_ref: int) -> dfx.VirtualBrownianTree:
@@ -559,7 +566,6 @@ def _make_shared_solve(problem: dict, contender: dict, n_ref: int, max_steps: in
     assert problem.get("diagonal")
     g = problem["g"]
     f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], g)
-    solver = contender["solver"]
 
     def solve(keys, param):
         n = keys.shape[0]
@@ -573,24 +579,8 @@ def _make_shared_solve(problem: dict, contender: dict, n_ref: int, max_steps: in
             return lx.DiagonalLinearOperator(diagonal.reshape(-1))
 
         terms = dfx.MultiTerm(dfx.ODETerm(drift), dfx.ControlTerm(diffusion, _BatchedPath(paths)))
-        if contender["adaptive"]:
-            options = dict(rtol=param, atol=param, norm=optx.max_norm)
-            controller = dfx.PIDController(**{**options, **contender.get("controller", {})})
-            dt0 = contender.get("dt0")
-        else:
-            controller = dfx.ConstantStepSize()
-            dt0 = param
-        sol = dfx.diffeqsolve(
-            terms,
-            solver,
-            0.0,
-            T1,
-            dt0,
-            jnp.tile(jnp.asarray(problem["y0"]), n),
-            stepsize_controller=controller,
-            max_steps=max_steps,
-            throw=False,
-        )
+        y0 = jnp.tile(jnp.asarray(problem["y0"]), n)
+        sol = _diffeqsolve(terms, contender, param, y0, max_steps, norm=optx.max_norm)
         ok = sol.result == dfx.RESULTS.successful
         steps = sol.stats["num_steps"]
         return sol.ys[-1].reshape(n, M), jnp.full(n, steps), jnp.full(n, ok)

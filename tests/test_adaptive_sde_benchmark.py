@@ -274,7 +274,16 @@ def test_breakdown_variants_take_the_fixed_steps():
     assert float(jnp.max(jnp.abs(y[0] - y[1]))) > 1e-3
 
 
-@pytest.mark.parametrize("name", [n for n, p in bench.PROBLEMS.items() if p.get("diagonal")])
+# Van der Pol (the implicit solver on the batch: 16 s in the suite) is a second case of the
+# same wrapper (`_make_shared_solve`, `_BatchedPath`): slow.
+_SHARED = [
+    pytest.param(n, marks=pytest.mark.slow) if "stiff" in p["noise"] else n
+    for n, p in bench.PROBLEMS.items()
+    if p.get("diagonal")
+]
+
+
+@pytest.mark.parametrize("name", _SHARED)
 def test_shared_step_solves_the_same_paths(name):
     # The shared-step contenders solve the batch as one system on the paths' own trees: at a
     # fixed step it is the per-path solve, path for path (up to the implicit solver's Newton
