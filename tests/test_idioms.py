@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from benchmarks import structure
+from diffrax_linearize import _loops
 from helpers import jacfwd_compiled
 
 
@@ -281,7 +282,9 @@ def test_cell_loop_transforms():
     )
 
 
-@pytest.mark.parametrize("n", [257, 300])
+# 256 iterations unrolled take seconds to trace: by default that boundary is checked at a
+# limit of 16 (`test_cell_loop_unroll_limit`), and at the limit itself under slow.
+@pytest.mark.parametrize("n", [pytest.param(257, marks=pytest.mark.slow), 300])
 def test_long_cell_loop(n):
     # Up to 256 iterations the loop is unrolled at trace time for its pattern (banded here);
     # a longer one keeps the dense fallback, exact all the same.
@@ -290,6 +293,19 @@ def test_long_cell_loop(n):
     dense = np.asarray(jacfwd_compiled(cell_loop, y))
     np.testing.assert_allclose(np.asarray(op.as_matrix()), dense, rtol=1e-12)
     assert (_stored(op) <= 3 * n) == (n <= 257)
+
+
+def test_cell_loop_unroll_limit(monkeypatch):
+    # `test_long_cell_loop`'s boundary, at a limit of 16 iterations: up to it unrolled
+    # (banded), one more dense, both exact.
+    assert _loops._CELL_LOOP_MAX_LENGTH == 256  # the limit `test_long_cell_loop` names
+    monkeypatch.setattr(_loops, "_CELL_LOOP_MAX_LENGTH", 16)
+    for n in (17, 18):  # 16 and 17 iterations
+        y = _state((n,))
+        op = dl.materialise_operator(cell_loop, y)
+        dense = np.asarray(jacfwd_compiled(cell_loop, y))
+        np.testing.assert_allclose(np.asarray(op.as_matrix()), dense, rtol=1e-12)
+        assert (_stored(op) <= 3 * n) == (n <= 17)
 
 
 # ---- the report's wording and its causes --------------------------------------------------
