@@ -99,11 +99,11 @@ path at that time, so by steps it pays more than per-path steps would, but it pa
 lockstep and no per-path step times: its loop iteration is the fixed one's. This is Julia's
 `EnsembleGPUArray` way. It suits difficulty that varies with time alike on every path (the
 noise burst at t = 0.5, when every path needs small steps); on Van der Pol each path jumps at
-its own time, so the shared step is small wherever any path jumps (in the run of
-2026-12-05 it still beat per-path steps against fixed ones at the target error, which one
-path's late jump sets). `diffrax.SPaRK` is run
-the same way ("diffrax.SPaRK, shared step"), and "Diffrax's best adaptive solver" at an error
-is the cheaper of its two ways to batch, for ours per path as for ours with a shared step.
+its own time, so the shared step is small wherever any path jumps (in the run of 2026-12-05
+it still beat per-path steps against fixed ones at the target error, which one path's late
+jump sets). `diffrax.SPaRK` is run the same way ("diffrax.SPaRK, shared step"), and
+"Diffrax's best adaptive solver" at an error is the cheaper of its two ways to batch, for
+ours per path as for ours with a shared step.
 
 Where the time of an adaptive step goes (`--breakdown`, written as `adaptive_sde_breakdown`;
 hB, 2026-12-05, rough, loaded machine). By time, fixed / adaptive at equal error is the

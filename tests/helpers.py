@@ -14,8 +14,10 @@ def jacfwd_compiled(fn, *args, **kwargs):
     """`jax.jacfwd(fn, **kwargs)(*args)`, the reference Jacobian, compiled as one program.
     Run eagerly, each primitive of the reference is a compilation of its own: several
     times the time on these small programs, most of some test files' time. For
-    comparisons within a tolerance; the NaN patterns "as `jax.jacfwd` (eager)" and the
-    exact comparisons keep the eager reference."""
+    comparisons within a tolerance, and exact ones where the Jacobian's entries are whole
+    numbers, which no compilation rounds (`test_sparsity.py`'s window-pattern and 0-d
+    transpose tests); the NaN patterns "as `jax.jacfwd` (eager)" and the other exact
+    comparisons keep the eager reference."""
     return jax.jit(jax.jacfwd(fn, **kwargs))(*args)
 
 
