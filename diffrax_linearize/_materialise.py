@@ -967,8 +967,21 @@ def solver_operator(fn: Callable, *args, holomorphic: bool = False):
     """`materialise_operator(fn, *args)` for the solvers' own operators (root finders,
     Rosenbrock methods): without the search for rows that `jax.jvp` makes NaN whatever the
     vector (two more Jacobian-vector products per operator), where a solve has no use for
-    `jax.jvp`'s NaN and the structure's derivative is the better one."""
-    return _materialise_operator(fn, args, 0, holomorphic, "auto", False, nan_as_jacfwd=False)
+    `jax.jvp`'s NaN and the structure's derivative is the better one.
+
+    The Python scalars among the other arguments (an `args=0.7` that `diffrax.diffeqsolve`
+    passes on as it is) are closed over, not traced: the functions the solvers hand over
+    are closure-converted by optimistix and lineax, which keep such leaves static and refuse
+    to be called with an array in their place."""
+    y, rest = args[0], args[1:]
+    dynamic, static = eqx.partition(rest, eqx.is_array)
+
+    def with_static(y, dynamic):
+        return fn(y, *eqx.combine(dynamic, static))
+
+    return _materialise_operator(
+        with_static, (y, dynamic), 0, holomorphic, "auto", False, nan_as_jacfwd=False
+    )
 
 
 def _block_operator(

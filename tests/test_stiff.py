@@ -617,3 +617,39 @@ def test_solver_errors():
             cls(root_finder=lx.LU())
     with pytest.raises(TypeError, match="general_noise"):
         dl.ImplicitItoMilstein(general_noise="yes")
+
+
+@pytest.mark.parametrize(
+    "solver, sde",
+    [
+        (diffrax.Kvaerno5(root_finder=dl.VeryChord()), False),
+        (diffrax.Kvaerno5(root_finder=dl.Newton()), False),
+        (dl.ImplicitItoMilstein(), True),
+    ],
+    ids=["VeryChord", "Newton", "ImplicitItoMilstein"],
+)
+def test_python_scalar_args(solver, sde):
+    # `args=0.7`, a Python float, as `diffrax.diffeqsolve` accepts it: the root finders'
+    # Jacobian used to trace it where optimistix's closure-converted function keeps it
+    # static ("Closure-converted function called with different dynamic arguments"; found
+    # by `solve_ensemble`'s tests). The same solution as with an array.
+    drift = diffrax.ODETerm(lambda t, y, args: -args * y + jnp.sin(y[::-1]))
+    terms = drift
+    if sde:
+        bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=1e-3, shape=(3,), key=jr.key(0))
+        diffusion = lambda t, y, args: lx.DiagonalLinearOperator(0.1 * y)
+        terms = diffrax.MultiTerm(drift, diffrax.ControlTerm(diffusion, bm))
+
+    def solve(args):
+        return diffrax.diffeqsolve(
+            terms,
+            solver,
+            0.0,
+            1.0,
+            0.05,
+            jnp.array([1.0, -0.5, 0.25]),
+            args,
+            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
+        ).ys
+
+    np.testing.assert_allclose(solve(0.7), solve(jnp.asarray(0.7)), rtol=1e-12)
