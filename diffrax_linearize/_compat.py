@@ -16,6 +16,7 @@ from diffrax._saveat import save_y as save_y
 from diffrax._solution import is_okay as is_okay, is_successful as is_successful
 from diffrax._solver.srk import AbstractSRK as AbstractSRK, AdditiveCoeffs as AdditiveCoeffs
 from diffrax._step_size_controller.pid import _select_initial_step
+from diffrax._term import WrapTerm as WrapTerm
 from equinox.internal import prevbefore as prevbefore
 from jax.extend.core import primitives as _prims
 from jax.interpreters import ad as ad, batching as batching, mlir as mlir
@@ -32,6 +33,8 @@ select_initial_step = _select_initial_step
 # Diffrax 0.7.2's rounding of a step's end to `t1`, reused by the refilling ensemble loop
 # (`_refill.py`) so that its steps are exactly `diffeqsolve`'s.
 clip_to_end = _clip_to_end
+# `WrapTerm` (above): how `diffrax.diffeqsolve` wraps every term with the direction of
+# time; the shared-step ensemble solver (`_shared_step.py`) wraps each path's terms alike.
 # `implicit_jvp` (above): optimistix's implicit-function-theorem JVP, the piece behind
 # Diffrax's implicit solvers' `ImplicitAdjoint`, reused for `BDF`'s corrector
 # (`_solver/corrector.py`).

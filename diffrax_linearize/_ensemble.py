@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from ._refill import check_lanes_options, solve_lanes, start_path
+from ._shared_step import check_shared_step, EnsembleTerm, paths_of, per_path_saveat
 
 
 _REDUCTIONS = ("mean", "var")
@@ -90,10 +91,14 @@ def _is_key_array(x) -> bool:
 def _leading_size(tree: PyTree, what: str) -> int | None:
     sizes = {jnp.shape(x)[0] if jnp.ndim(x) > 0 else None for x in jtu.tree_leaves(tree)}
     if None in sizes:
+        fix = (
+            "Give every array of `keys` one entry per path."
+            if what == "keys"
+            else f"Pass `batch_{what}=False` to share `{what}` across all paths."
+        )
         raise ValueError(
             f"`solve_ensemble`: `{what}` is batched, so every array in it needs a "
-            "leading path axis, but one of them is a scalar. Pass "
-            f"`batch_{what}=False` to share `{what}` across all paths."
+            f"leading path axis, but one of them is a scalar. {fix}"
         )
     if len(sizes) > 1:
         raise ValueError(
@@ -247,6 +252,7 @@ def solve_ensemble(
     return_paths: bool = True,
     chunk_size: int | None = None,
     lanes: int | None = None,
+    shared_step: bool = False,
     mesh: Mesh | None = None,
     axis_names: str | Sequence[str] | None = None,
     throw: bool = True,
@@ -296,7 +302,10 @@ def solve_ensemble(
         `diffrax.diffeqsolve`, shared by every path.
     - `keys`: a one-dimensional array of keys, as from
         `jax.random.split(jax.random.key(seed), num_paths)` (or legacy raw keys of
-        shape `(num_paths, 2)`): one path per key.
+        shape `(num_paths, 2)`): one path per key. Or, for noise sampled beforehand
+        (increments on a grid, say), a container (tuple, dict, `eqx.Module`, ...) of
+        arrays with a leading path axis: path $i$ then has the terms `terms(keys[i])`,
+        with `[i]` taken of every array.
     - `batch_y0`: if `True`, every array in `y0` has a leading path axis of length
         `num_paths`, and path $i$ starts from `y0[i]`.
     - `batch_args`: likewise for `args`.
@@ -322,6 +331,27 @@ def solve_ensemble(
         The key must enter `terms(key)` through an array field (as the key of a
         `VirtualBrownianTree`), not a closure. Padding paths are not solved. The
         guide's section "Refilling lanes for adaptive steps" has the details.
+    - `shared_step`: for adaptive step sizes. If `True`, the paths that are solved
+        together (each chunk of `chunk_size` paths, or all of a device's paths) are
+        solved as one system with one step size: every step is taken by `solver` on
+        every path at the same times (one `jax.vmap` of its `step`), the step is
+        accepted only if it is on every path, and the next step size is the smallest
+        any path asks for. The step-size controller's `norm` is applied to each path's
+        scaled error and the largest is taken, so each path is held to the tolerances
+        as if it were solved alone, only with more (smaller) steps. A loop iteration
+        then costs what a fixed step costs (scalar step times, no per-path bookkeeping,
+        no waiting for the slowest path), which pays off when the paths' difficulty
+        varies at the same times (a burst of noise, a forcing, a switch in the drift);
+        when each path's difficulty comes at its own time, per-path steps (the default,
+        or `lanes`) take fewer steps. Works with every solver, Diffrax's or this
+        package's, explicit or implicit, with any noise. At a fixed step size it gives
+        the per-path solutions (up to rounding). Each path sees its own Brownian motion,
+        queried at the shared times, so the Brownian motion must be re-queryable (a
+        `diffrax.VirtualBrownianTree`). The chunk's `stats` (steps taken) and `result`
+        are every one of its paths': a path that fails fails its chunk. Not with `lanes`,
+        `SaveAt(dense=True, solver_state=True, controller_state=True)`, events, or an
+        adjoint other than `diffrax.RecursiveCheckpointAdjoint`, `diffrax.DirectAdjoint`
+        or `diffrax.ForwardMode`.
     - `mesh`: the `jax.sharding.Mesh` to shard paths over. Defaults to a
         one-dimensional mesh of all devices, `jax.devices()` (every host's, after
         `jax.distributed.initialize()`).
@@ -348,15 +378,23 @@ def solve_ensemble(
             "`lambda key: MultiTerm(ODETerm(f), ControlTerm(g, "
             "VirtualBrownianTree(t0, t1, tol, shape, key)))`."
         )
-    if not _is_key_array(keys):
-        raise TypeError(
-            "`solve_ensemble`: `keys` must be a one-dimensional array of keys, as from "
-            "`jax.random.split(jax.random.key(seed), num_paths)`, or legacy raw keys "
-            "of shape `(num_paths, 2)`; got "
-            f"{getattr(keys, 'dtype', type(keys).__name__)} of shape "
-            f"{getattr(keys, 'shape', None)}."
-        )
-    num_paths = keys.shape[0]
+    if _is_key_array(keys):
+        num_paths = keys.shape[0]
+    else:
+        # A bare array that is not an array of keys is a mistake (a container of
+        # per-path arrays is not).
+        leaves = jtu.tree_leaves(keys)
+        bare = isinstance(keys, jax.Array | np.ndarray)
+        if bare or not leaves or not all(isinstance(x, jax.Array | np.ndarray) for x in leaves):
+            raise TypeError(
+                "`solve_ensemble`: `keys` must be a one-dimensional array of keys, as from "
+                "`jax.random.split(jax.random.key(seed), num_paths)`, or legacy raw keys "
+                "of shape `(num_paths, 2)`, or a pytree of arrays with a leading path axis "
+                "(per-path inputs of `terms`, such as noise sampled beforehand); got "
+                f"{getattr(keys, 'dtype', type(keys).__name__)} of shape "
+                f"{getattr(keys, 'shape', None)}."
+            )
+        num_paths = _leading_size(keys, "keys")
     if num_paths == 0:
         raise ValueError("`solve_ensemble`: `keys` is empty; pass at least one key.")
     for batched, tree, what in ((batch_y0, y0, "y0"), (batch_args, args, "args")):
@@ -395,6 +433,16 @@ def solve_ensemble(
         raise ValueError(
             "`solve_ensemble`: `chunk_size` must be a positive integer (how many paths "
             f"each device solves at once) or `None` for all of them; got {chunk_size!r}."
+        )
+    if shared_step and lanes is not None:
+        raise ValueError(
+            "`solve_ensemble`: pass either `shared_step=True` (one step size for the "
+            "paths solved together) or `lanes` (each path its own steps, lanes "
+            "refilled as paths finish), not both."
+        )
+    if shared_step:
+        solver, diffeqsolve_kwargs = check_shared_step(
+            terms, keys, solver, saveat, diffeqsolve_kwargs
         )
     if lanes is not None:
         if isinstance(lanes, bool) or not isinstance(lanes, numbers.Integral) or lanes < 1:
@@ -456,6 +504,7 @@ def solve_ensemble(
         padded=padded,
         num_paths=num_paths,
         refill=lanes is not None,
+        shared_step=bool(shared_step),
         mesh=mesh,
         axis_names=axis_names,
         error_if_failed=throw and single_device,
@@ -497,6 +546,7 @@ def _solve_ensemble(
     padded,
     num_paths,
     refill,
+    shared_step,
     mesh,
     axis_names,
     error_if_failed,
@@ -547,6 +597,34 @@ def _solve_ensemble(
             static_out.append(static)
         return dynamic
 
+    def solve_together(keys, y0_b, args_b, shared_dyn):
+        # `shared_step=True`: the chunk's paths as one system, one step size for all.
+        shared, terms, solver, saveat, kwargs = eqx.combine(shared_dyn, shared_static)
+        y0_shared, args_shared, (t0, t1, dt0) = shared
+        num = jtu.tree_leaves(keys)[0].shape[0]
+        if y0_b is None:
+            y0 = eqx.combine(y0_shared, y0_static)
+            y0 = jtu.tree_map(lambda x: jnp.broadcast_to(x, (num,) + jnp.shape(x)), y0)
+        else:
+            y0 = eqx.combine(y0_b, y0_static)
+        args = eqx.combine(args_shared if args_b is None else args_b, args_static)
+        sol = diffrax.diffeqsolve(
+            EnsembleTerm(terms, keys, batch_args),
+            solver,
+            t0,
+            t1,
+            dt0,
+            y0,
+            args,
+            saveat=per_path_saveat(saveat, batch_args),
+            throw=False,
+            **kwargs,
+        )
+        dynamic, static = eqx.partition(paths_of(sol, num), eqx.is_array)
+        if not static_out:
+            static_out.append(static)
+        return dynamic
+
     def start_one(key, y0_i, args_i, shared_dyn):
         shared, terms, solver, saveat, kwargs = eqx.combine(shared_dyn, shared_static)
         y0_shared, args_shared, (t0, t1, dt0) = shared
@@ -590,7 +668,14 @@ def _solve_ensemble(
     def on_device(batched, shared_dyn):
         def per_chunk(batched_chunk):
             keys, mask, y0_b, args_b = batched_chunk
-            sols = jax.vmap(solve_one, in_axes=(0, 0, 0, None))(keys, y0_b, args_b, shared_dyn)
+            if shared_step:
+                # The padding (copies of the device's first path) is made copies of the
+                # chunk's first path, so that it does not change the chunk's steps.
+                index = jnp.where(mask, jnp.arange(mask.shape[0]), 0)
+                keys, y0_b, args_b = jtu.tree_map(lambda x: x[index], (keys, y0_b, args_b))
+                sols = solve_together(keys, y0_b, args_b, shared_dyn)
+            else:
+                sols = jax.vmap(solve_one, in_axes=(0, 0, 0, None))(keys, y0_b, args_b, shared_dyn)
             # Failed paths (and the padding) are left out of every reduction.
             used = mask & (sols.result._value == 0)
             failed = jnp.sum(mask & ~used, dtype=jnp.int32)

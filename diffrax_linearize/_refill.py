@@ -281,12 +281,12 @@ def solve_lanes(
     iteration select between the old and new carry (the whole output buffer), and a
     batched `cond` would run the restart on every iteration.
     """
-    size = keys.shape[0]
+    size = jtu.tree_leaves(keys)[0].shape[0]
     take = lambda tree, idx: jtu.tree_map(lambda x: x[idx], tree)
 
     def start_unfixed(path):
         path = jnp.clip(path, 0, size - 1)
-        return start(keys[path], take(y0_b, path), take(args_b, path))
+        return start(take(keys, path), take(y0_b, path), take(args_b, path))
 
     # A Python scalar of the prepared state that a step turns into an array (as `made_jump`
     # when a step can set it, or `diffrax.PIDController(dtmin=...)`'s `at_dtmin` flag) is

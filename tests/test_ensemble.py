@@ -277,6 +277,51 @@ def test_errors():
         solve(_terms, Y0, keys=keys, mesh=mesh, axis_names="y")
 
 
+class _ScaledDiagonal(eqx.Module):
+    scale: jax.Array
+
+    def __call__(self, t, y, args):
+        return lx.DiagonalLinearOperator(self.scale * y)
+
+
+def test_per_path_arrays_as_keys():
+    # `keys` as a container of per-path arrays (here a key and a noise scale per path):
+    # path i has the terms `terms(keys[i])`, in every mode, as a `jax.vmap` over them.
+    data = dict(key=jr.split(jr.key(11), 4), scale=jnp.array([0.1, 0.2, 0.3, 0.4]))
+
+    def terms(path):
+        bm = diffrax.VirtualBrownianTree(0.0, T1, 1e-2, (D,), path["key"])
+        # The scale as an array field of the terms, not a closure, as `lanes` asks.
+        g = _ScaledDiagonal(path["scale"])
+        return diffrax.MultiTerm(diffrax.ODETerm(lambda t, y, args: -y), diffrax.ControlTerm(g, bm))
+
+    def reference(saveat, **options):
+        solve = lambda path: (
+            diffrax.diffeqsolve(
+                terms(path), dl.ItoMilstein(), 0.0, T1, DT, Y0, saveat=saveat, **options
+            ).ys
+        )
+        return np.asarray(jax.jit(jax.vmap(solve))(data))
+
+    pid = dict(stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-3))
+    t1 = diffrax.SaveAt(t1=True)
+    cases = [
+        (dict(saveat=SAVEAT), reference(SAVEAT), 1e-12),
+        (dict(saveat=SAVEAT, chunk_size=3), reference(SAVEAT), 1e-12),
+        (dict(saveat=SAVEAT, shared_step=True), reference(SAVEAT), 1e-12),
+        # Adaptive: the controller amplifies the lanes loop's other rounding (3e-9 here);
+        # a path given another path's data would be off by more than 1e-2.
+        (dict(saveat=t1, lanes=2, **pid), reference(t1, **pid), 1e-7),
+    ]
+    for options, expected, rtol in cases:
+        sol = dl.solve_ensemble(terms, dl.ItoMilstein(), 0.0, T1, DT, Y0, keys=data, **options)
+        np.testing.assert_allclose(sol.paths.ys, expected, rtol=rtol, atol=1e-14)
+    with pytest.raises(ValueError, match="solve_ensemble.*`keys`.*different leading"):
+        dl.solve_ensemble(
+            terms, dl.ItoMilstein(), 0.0, T1, DT, Y0, keys=dict(data, scale=jnp.ones(5))
+        )
+
+
 @pytest.mark.slow
 def test_multidevice_subprocess():
     """Eight simulated CPU devices, in a fresh process: see `ensemble_multidevice.py`."""
