@@ -88,20 +88,22 @@ where lanes pay: paths whose step counts spread widely). The ratios by steps
 per path (the mean, what each path needs on its own) are the lockstep-free comparison; the
 ratio of `max_steps_path` to `steps` of an adaptive row is what the lockstep adds to its time.
 
-One step for the whole batch ("ours adaptive, shared step", the diagonal-noise SDEs): the
-batch solved as one SDE of `n_paths * M` unknowns (the drift and the diagonal of the
-diffusion `jax.vmap`ped over paths, the diffusion a `lineax.DiagonalLinearOperator`), with
-ours and `diffrax.PIDController` (the same PI coefficients, the max norm: every unknown of
-every path within the tolerances) on the paths' own trees (`_BatchedPath`), so on the same
-paths and against the same reference as every other contender (a test checks that at a fixed
-step it is the per-path solve, path for path). Every path takes every step of the hardest
-path at that time, so by steps it pays more than per-path steps would, but it pays no
-lockstep and no per-path step times: its loop iteration is the fixed one's. This is Julia's
-`EnsembleGPUArray` way. It suits difficulty that varies with time alike on every path (the
-noise burst at t = 0.5, when every path needs small steps); on Van der Pol each path jumps at
-its own time, so the shared step is small wherever any path jumps (in the run of 2026-12-05
-it still beat per-path steps against fixed ones at the target error, which one path's late
-jump sets). `diffrax.SPaRK` is run the same way ("diffrax.SPaRK, shared step"), and
+One step for the whole batch ("ours adaptive, shared step", every SDE):
+`diffrax_linearize.solve_ensemble(..., shared_step=True)`, which steps every path with the
+solver under one `jax.vmap` over the same interval, accepts or rejects the step for all of
+them at once and takes the next step size from the worst path (`diffrax.PIDController`'s
+norm, the RMS, of each path's scaled error, and the largest over paths): every path is held
+to the tolerances as if alone. On the paths' own trees or grid paths (the grid data passed as
+per-path arrays in place of keys), so on the same paths and against the same reference as
+every other contender (a test checks that at a fixed step it is the per-path solve, path for
+path). Every path takes every step of the hardest path at that time, so by steps it pays
+more than per-path steps would, but it pays no lockstep and no per-path step times: its loop
+iteration is the fixed one's. This is Julia's `EnsembleGPUArray` way. It suits difficulty
+that varies with time alike on every path (the noise burst at t = 0.5, when every path
+needs small steps); on Van der Pol each path jumps at its own time, so the shared step is
+small wherever any path jumps. Each path's solver runs as it would alone, so the
+general-noise solver's Lévy areas stay per path (no areas between the channels of
+different paths). `diffrax.SPaRK` is run the same way ("diffrax.SPaRK, shared step"), and
 "Diffrax's best adaptive solver" at an error is the cheaper of its two ways to batch, for
 ours per path as for ours with a shared step.
 
@@ -157,7 +159,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import lineax as lx
 import numpy as np
 import optimistix as optx
 
@@ -422,14 +423,13 @@ def _contenders(problem: dict, quick: bool) -> dict[str, dict]:
         "ours adaptive, I-controller": dict(solver=ours, ito=True, adaptive=True),
         "ours fixed": dict(solver=ours, ito=True, adaptive=False),
     }
-    if problem.get("diagonal"):
-        # The batch as one system with one step for every path (`_make_shared_solve`); on Van
-        # der Pol, whose paths jump at different times, its steps grow fast with the
-        # tolerance: the looser tolerances only.
-        params = [1e-1, 3e-2, 1e-2, 3e-3, 1e-3] if "stiff" in problem["noise"] else None
-        out["ours adaptive, shared step"] = dict(
-            solver=ours, ito=True, adaptive=True, shared=True, params=params, **pi
-        )
+    # The batch as one system with one step for every path (`_make_shared_solve`); on Van der
+    # Pol, whose paths jump at different times, its steps grow fast with the tolerance: the
+    # looser tolerances only.
+    shared_params = [1e-1, 3e-2, 1e-2, 3e-3, 1e-3] if "stiff" in problem["noise"] else None
+    out["ours adaptive, shared step"] = dict(
+        solver=ours, ito=True, adaptive=True, shared=True, params=shared_params, **pi
+    )
     if "ours15" in problem:
         # Diffrax's SDE controller: fewer steps at equal error than (0.3, 0.4) for it.
         ctrl = dict(controller=DIFFRAX_CONTROLLER)
@@ -444,12 +444,11 @@ def _contenders(problem: dict, quick: bool) -> dict[str, dict]:
     # At fixed steps too, on the same paths: how much more accurate SPaRK's step is than ours
     # at the same step, against how much more it costs (`fixed_steps`).
     out["SPaRK fixed"] = dict(solver=dfx.SPaRK(), ito=False, adaptive=False)
-    if problem.get("diagonal"):
-        # SPaRK on the batch as one system too, so that Diffrax's best adaptive solver at an
-        # error is the cheaper of its two ways to batch, as ours' is.
-        out["diffrax.SPaRK, shared step"] = dict(
-            out["diffrax.SPaRK"], shared=True, params=out["ours adaptive, shared step"]["params"]
-        )
+    # SPaRK on the batch as one system too, so that Diffrax's best adaptive solver at an error
+    # is the cheaper of its two ways to batch, as ours' is.
+    out["diffrax.SPaRK, shared step"] = dict(
+        out["diffrax.SPaRK"], shared=True, params=shared_params
+    )
     if not quick:
         out["diffrax.Heun"] = dict(solver=dfx.Heun(), ito=False, adaptive=True, **peer)
     return out
@@ -497,17 +496,20 @@ def _make_solve(
     return jax.vmap(one, in_axes=(0, param_axis))
 
 
-def _diffeqsolve(terms, contender: dict, param, y0, max_steps: int, **options):
-    """One solve over `[0, T1]` of `contender["solver"]`: adaptive at rtol = atol = `param`
-    with `diffrax.PIDController(**options)` and the contender's `controller` options over
-    them (its `dt0`, else Diffrax's automatic first step), or at the fixed step `param`."""
+def _stepping(contender: dict, param, **options):
+    """`(stepsize_controller, dt0)` of a contender: adaptive at rtol = atol = `param` with
+    `diffrax.PIDController(**options)` and the contender's `controller` options over them
+    (its `dt0`, else Diffrax's automatic first step), or the fixed step `param`."""
     if contender["adaptive"]:
         options = dict(options, rtol=param, atol=param)
         controller = dfx.PIDController(**{**options, **contender.get("controller", {})})
-        dt0 = contender.get("dt0")
-    else:
-        controller = dfx.ConstantStepSize()
-        dt0 = param
+        return controller, contender.get("dt0")
+    return dfx.ConstantStepSize(), param
+
+
+def _diffeqsolve(terms, contender: dict, param, y0, max_steps: int, **options):
+    """One solve over `[0, T1]` of `contender["solver"]`, stepped as `_stepping` says."""
+    controller, dt0 = _stepping(contender, param, **options)
     return dfx.diffeqsolve(
         terms,
         contender["solver"],
@@ -527,63 +529,46 @@ def _tree(key, n_ref: int) -> dfx.VirtualBrownianTree:
     )
 
 
-class _BatchedPath(dfx.AbstractBrownianPath):
-    """The Brownian paths of a batch (`paths`: a `jax.vmap`ped `VirtualBrownianTree`, one per
-    path) as one path of the flattened batch, queried at times shared by every path: the
-    values each path's own tree gives at those times, so that a solve of the whole batch as
-    one system sees the same Brownian paths as the per-path solves."""
-
-    paths: dfx.VirtualBrownianTree
-
-    @property
-    def t0(self):
-        return self.paths.t0
-
-    @property
-    def t1(self):
-        return self.paths.t1
-
-    @property
-    def levy_area(self):
-        return self.paths.levy_area
-
-    def evaluate(self, t0, t1=None, left=True, use_levy=False):
-        out = jax.vmap(lambda path: path.evaluate(t0, t1, left, use_levy))(self.paths)
-        if not use_levy:
-            return out.reshape(-1)
-        # The step `dt` is the same on every path.
-        return dfx.SpaceTimeLevyArea(dt=out.dt[0], W=out.W.reshape(-1), H=out.H.reshape(-1))
-
-
 def _make_shared_solve(problem: dict, contender: dict, n_ref: int, max_steps: int):
-    """As `_make_solve`, for the contender that solves the whole batch as one SDE with one
-    step size for every path (diagonal noise: the flattened batch's diffusion is a
-    `lineax.DiagonalLinearOperator`): one `diffeqsolve` of `n_paths * M` unknowns whose
-    controller holds every unknown of every path within the tolerances (max norm), on the
-    paths' own Brownian trees (`_BatchedPath`), so on the same paths and against the same
-    reference as the per-path contenders. Every path then takes the same steps, with scalar
-    step times, as at fixed steps, and the loop ends when the batch is done."""
-    assert problem.get("diagonal")
-    g = problem["g"]
-    f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], g)
+    """As `_make_solve`, for the contenders that solve the whole batch with one step size
+    for every path: `diffrax_linearize.solve_ensemble(..., shared_step=True)` (the solver's
+    step `jax.vmap`ped over the paths, the step accepted or rejected and the next one chosen
+    for all of them at once, the controller's norm of each path's error and the largest
+    taken), on the same Brownian trees or grid paths as the per-path contenders (the grid
+    data passed as per-path arrays in place of keys), so against the same reference. Every
+    path then takes the same steps, with scalar step times, as at fixed steps, and the loop
+    ends when the batch is done."""
+    f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], problem["g"])
+    general = problem["noise"] == "general"
+    y0 = jnp.asarray(problem["y0"])
 
-    def solve(keys, param):
-        n = keys.shape[0]
-        paths = jax.vmap(lambda key: _tree(key, n_ref))(keys)
+    def terms(path):
+        (path,) = path
+        if general:
+            bm = _GridPath(T1 / n_ref, "iterated" if contender["ito"] else "spacetime", path)
+        else:
+            bm = _tree(path, n_ref)
+        return dfx.MultiTerm(dfx.ODETerm(f), dfx.ControlTerm(problem["g"], bm))
 
-        def drift(t, y, args):
-            return jax.vmap(lambda yi: f(t, yi, args))(y.reshape(n, M)).reshape(-1)
-
-        def diffusion(t, y, args):
-            diagonal = jax.vmap(lambda yi: jnp.diagonal(g(t, yi, args)))(y.reshape(n, M))
-            return lx.DiagonalLinearOperator(diagonal.reshape(-1))
-
-        terms = dfx.MultiTerm(dfx.ODETerm(drift), dfx.ControlTerm(diffusion, _BatchedPath(paths)))
-        y0 = jnp.tile(jnp.asarray(problem["y0"]), n)
-        sol = _diffeqsolve(terms, contender, param, y0, max_steps, norm=optx.max_norm)
-        ok = sol.result == dfx.RESULTS.successful
-        steps = sol.stats["num_steps"]
-        return sol.ys[-1].reshape(n, M), jnp.full(n, steps), jnp.full(n, ok)
+    def solve(paths, param):
+        controller, dt0 = _stepping(contender, param, dtmin=T1 / n_ref if general else None)
+        sol = dl.solve_ensemble(
+            terms,
+            contender["solver"],
+            0.0,
+            T1,
+            dt0,
+            y0,
+            keys=(paths,),
+            shared_step=True,
+            saveat=dfx.SaveAt(t1=True),
+            reductions=(),
+            stepsize_controller=controller,
+            max_steps=max_steps,
+            throw=False,
+        )
+        ok = sol.paths.result == dfx.RESULTS.successful
+        return sol.paths.ys[:, -1], sol.paths.stats["num_steps"], ok
 
     return solve
 
@@ -897,9 +882,10 @@ TABLE_NOTE = (
     "steps, on the same paths (above 1: at fixed steps SPaRK's step buys its accuracy "
     "more cheaply than ours; `fixed_steps` in the JSON has it step by step). The last line "
     "of each SDE: ours with Diffrax's default I-controller over ours with its PI "
-    'controller. "shared step": ours adaptive on the batch as one system, one step size for '
-    "every path (the max norm over every path), on the same paths (a fixed cost per "
-    "iteration, no lockstep; diagonal-noise SDEs only), and SPaRK likewise; Diffrax's best "
+    'controller. "shared step": ours adaptive with one step size for the whole batch '
+    "(`solve_ensemble(..., shared_step=True)`: each path's RMS error norm, the largest "
+    "taken), on the same paths (a fixed cost per iteration, no lockstep), and SPaRK "
+    "likewise; Diffrax's best "
     "is the cheapest of its adaptive contenders, per path or shared step. Where an error "
     "comes within a few times the reference's own (its change when its step is doubled, "
     "`references` in the JSON), it is partly the reference's."

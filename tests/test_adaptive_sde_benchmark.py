@@ -279,36 +279,34 @@ def test_breakdown_variants_take_the_fixed_steps():
 _SHARED = [
     pytest.param(n, marks=pytest.mark.slow) if "stiff" in p["noise"] else n
     for n, p in bench.PROBLEMS.items()
-    if p.get("diagonal")
 ]
 
 
 @pytest.mark.parametrize("name", _SHARED)
 def test_shared_step_solves_the_same_paths(name):
-    # The shared-step contenders solve the batch as one system on the paths' own trees: at a
-    # fixed step it is the per-path solve, path for path (up to the implicit solver's Newton
-    # tolerance, whose norm now spans the batch); adaptive, every path takes the same steps.
+    # The shared-step contenders (`solve_ensemble(..., shared_step=True)`) solve the batch as
+    # one system on the paths' own trees or grid paths: at a fixed step it is the per-path
+    # solve, path for path; adaptive, every path takes the same steps.
     problem = bench.PROBLEMS[name]
     contenders = bench._contenders(problem, quick=True)
     shared = contenders["ours adaptive, shared step"]
     n_ref = 2**10
-    keys = jr.split(jr.key(2), 4)
+    paths = bench.path_inputs(problem, jr.split(jr.key(2), 4), n_ref)
     per_path = bench._make_solve(problem, contenders["ours fixed"], n_ref, n_ref)
     fixed_shared = bench._make_solve(problem, dict(shared, adaptive=False), n_ref, n_ref)
     # (Van der Pol's fixed Newton solve fails at steps above about 2^-7.)
     dt = 2.0**-8
-    ys, steps, ok = jax.jit(per_path)(keys, dt)
-    ys_shared, steps_shared, ok_shared = jax.jit(fixed_shared)(keys, dt)
+    ys, steps, ok = jax.jit(per_path)(paths, dt)
+    ys_shared, steps_shared, ok_shared = jax.jit(fixed_shared)(paths, dt)
     assert np.all(ok) and np.all(ok_shared)
     assert np.array_equal(steps, steps_shared)
-    tol = 1e-6 if "stiff" in problem["noise"] else 1e-12
-    np.testing.assert_allclose(ys_shared, ys, rtol=tol, atol=tol)
-    ys, steps, ok = jax.jit(bench._make_solve(problem, shared, n_ref, n_ref))(keys, 1e-2)
+    np.testing.assert_allclose(ys_shared, ys, rtol=1e-12, atol=1e-12)
+    ys, steps, ok = jax.jit(bench._make_solve(problem, shared, n_ref, n_ref))(paths, 1e-2)
     assert np.all(ok) and steps.shape == (4,) and len(set(np.asarray(steps).tolist())) == 1
     assert np.all(np.isfinite(ys))
     # SPaRK's shared-step contender (Stratonovich drift, space-time Lévy areas) likewise.
     spark, spark_shared = contenders["SPaRK fixed"], contenders["diffrax.SPaRK, shared step"]
-    ys = jax.jit(bench._make_solve(problem, spark, n_ref, n_ref))(keys, dt)[0]
+    ys = jax.jit(bench._make_solve(problem, spark, n_ref, n_ref))(paths, dt)[0]
     spark_fixed_shared = dict(spark_shared, adaptive=False)
-    ys_shared = jax.jit(bench._make_solve(problem, spark_fixed_shared, n_ref, n_ref))(keys, dt)[0]
+    ys_shared = jax.jit(bench._make_solve(problem, spark_fixed_shared, n_ref, n_ref))(paths, dt)[0]
     np.testing.assert_allclose(ys_shared, ys, rtol=1e-12, atol=1e-12)
