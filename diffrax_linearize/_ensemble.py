@@ -669,10 +669,12 @@ def _solve_ensemble(
         def per_chunk(batched_chunk):
             keys, mask, y0_b, args_b = batched_chunk
             if shared_step:
-                # The padding (copies of the device's first path) is made copies of the
-                # chunk's first path, so that it does not change the chunk's steps.
-                index = jnp.where(mask, jnp.arange(mask.shape[0]), 0)
-                keys, y0_b, args_b = jtu.tree_map(lambda x: x[index], (keys, y0_b, args_b))
+                if padded > num_paths or num_chunks * chunk > per_device:
+                    # The padding (copies of the device's first path) is made copies of
+                    # the chunk's first path, so that it does not change the chunk's
+                    # steps. (Without padding, no copy of the inputs is made.)
+                    index = jnp.where(mask, jnp.arange(mask.shape[0]), 0)
+                    keys, y0_b, args_b = jtu.tree_map(lambda x: x[index], (keys, y0_b, args_b))
                 sols = solve_together(keys, y0_b, args_b, shared_dyn)
             else:
                 sols = jax.vmap(solve_one, in_axes=(0, 0, 0, None))(keys, y0_b, args_b, shared_dyn)
@@ -695,7 +697,13 @@ def _solve_ensemble(
             lambda x: x.reshape((num_chunks, chunk) + x.shape[1:]),
             (keys, mask, y0_b, args_b),
         )
-        sols, used, failed, stats, ts = jax.lax.map(per_chunk, chunked)
+        if num_chunks == 1:
+            # One chunk: called directly, as `jax.lax.map` would slice (copy) every input
+            # of its one iteration, per-path data of any size included.
+            one = jtu.tree_map(lambda x: x[0], chunked)
+            sols, used, failed, stats, ts = jtu.tree_map(lambda x: x[None], per_chunk(one))
+        else:
+            sols, used, failed, stats, ts = jax.lax.map(per_chunk, chunked)
         ts = None if ts is None else ts[0]
         unchunk = lambda x: x.reshape((num_chunks * chunk,) + x.shape[2:])[:per_device]
         sols, used = jtu.tree_map(unchunk, (sols, used))

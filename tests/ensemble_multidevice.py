@@ -422,6 +422,45 @@ for terms, solver, implicit_controller, lanes_exact in implicit_cases:
             checks += 2
 stage("implicit solvers")
 
+
+# One step size per device (`shared_step=True`): 13 paths of very different rates, two per
+# device (the last device's second path, and the whole of the eighth device, padding). Each
+# device's pair is one system with its own steps: the same as that pair solved alone on one
+# device, and the lone last path solved alone (its padding a copy of itself, not of path 0).
+def shared(keys, rates, **mesh):
+    return dl.solve_ensemble(
+        stiff_terms,
+        diffrax.Heun(),
+        0.0,
+        T1,
+        DT,
+        y0,
+        rates,
+        keys=keys,
+        batch_args=True,
+        shared_step=True,
+        saveat=diffrax.SaveAt(t1=True),
+        stepsize_controller=controller,
+        max_steps=2000,
+        throw=False,
+        **mesh,
+    )
+
+
+out = shared(keys, rates)
+one_device = Mesh(np.asarray(jax.devices()[:1]), ("paths",))
+steps = []
+for lo in range(0, 13, 2):
+    alone = shared(keys[lo : lo + 2], rates[lo : lo + 2], mesh=one_device)
+    np.testing.assert_array_equal(
+        out.paths.stats["num_steps"][lo : lo + 2], alone.paths.stats["num_steps"]
+    )
+    assert_equal_to_rounding(out.paths.ys[lo : lo + 2], alone.paths.ys)
+    steps.append(int(alone.paths.stats["num_steps"][0]))
+    checks += 2
+check(len(set(steps)) > 3 and int(out.num_failed) == 0, (steps, out.num_failed))
+stage("shared step")
+
 # 9. The paths are solved where they live: the compiled program holds each device's
 # block of paths (16 / 8 = 2; shape (1 device, 2 paths, 3)) and never the whole batch,
 # and gathers nothing.
