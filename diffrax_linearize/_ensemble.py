@@ -575,6 +575,14 @@ def _solve_ensemble(
     axis = None if num_devices == 1 else _DEVICES
     static_out = []
 
+    def dynamic_part(sol):
+        # The arrays of a solution, which leave the traced program; its static part (the
+        # same for every path and chunk) is kept aside once and combined back at the end.
+        dynamic, static = eqx.partition(sol, eqx.is_array)
+        if not static_out:
+            static_out.append(static)
+        return dynamic
+
     def solve_one(key, y0_i, args_i, shared_dyn):
         shared, terms, solver, saveat, kwargs = eqx.combine(shared_dyn, shared_static)
         y0_shared, args_shared, (t0, t1, dt0) = shared
@@ -592,10 +600,7 @@ def _solve_ensemble(
             throw=False,
             **kwargs,
         )
-        dynamic, static = eqx.partition(sol, eqx.is_array)
-        if not static_out:
-            static_out.append(static)
-        return dynamic
+        return dynamic_part(sol)
 
     def solve_together(keys, y0_b, args_b, shared_dyn):
         # `shared_step=True`: the chunk's paths as one system, one step size for all.
@@ -620,10 +625,7 @@ def _solve_ensemble(
             throw=False,
             **kwargs,
         )
-        dynamic, static = eqx.partition(paths_of(sol, num), eqx.is_array)
-        if not static_out:
-            static_out.append(static)
-        return dynamic
+        return dynamic_part(paths_of(sol, num))
 
     def start_one(key, y0_i, args_i, shared_dyn):
         shared, terms, solver, saveat, kwargs = eqx.combine(shared_dyn, shared_static)
@@ -654,9 +656,7 @@ def _solve_ensemble(
             saveat,
             axis_name=axis,
         )
-        sols, static = eqx.partition(sols, eqx.is_array)
-        if not static_out:
-            static_out.append(static)
+        sols = dynamic_part(sols)
         used = mask & (sols.result._value == 0)
         failed = _psum(jnp.sum(mask & ~used, dtype=jnp.int32), axis)
         if reductions or quantiles is not None:

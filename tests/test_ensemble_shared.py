@@ -198,11 +198,11 @@ def test_adaptive_is_the_batch_as_one_system(norm):
         _diagonal_terms, dl.ItoMilstein(), False, stepsize_controller=_pid(norm, rtol), **options
     )
     assert steps[0] >= alone.paths.stats["num_steps"].max()
-    shared_t1 = _solve(
-        _diagonal_terms, dl.ItoMilstein(), True, stepsize_controller=_pid(norm, rtol), **options
-    )
+    # The value at t1: the last of the saved steps (the rest are `inf`).
+    last = int(shared.paths.stats["num_accepted_steps"][0]) - 1
+    np.testing.assert_array_equal(ts[last], T1)
     fine = _solve(_diagonal_terms, dl.ItoMilstein(), False, dt0=2**-12, **options)
-    err = np.abs(shared_t1.paths.ys[:, -1] - fine.paths.ys[:, -1]).max()
+    err = np.abs(shared.paths.ys[:, last] - fine.paths.ys[:, -1]).max()
     assert err < 30 * rtol, err
     if norm is optx.rms_norm:
         # The check can fail: the RMS over the whole batch (not path by path) takes
@@ -256,9 +256,9 @@ def test_implicit_solver_takes_the_controller_tolerances():
         dl.solve_ensemble(terms, dfx.Kvaerno5(), 0.0, T1, 0.1, Y0, keys=KEYS, shared_step=True)
 
 
-def test_grad_jit_and_float32():
+def test_grad_under_jit():
     # Reverse mode through the shared-step solve (checkpointed), under `jax.jit`, equals
-    # the per-path solves' at a fixed step; adaptive in float32 stays float32.
+    # the per-path solves' at a fixed step.
     def loss(y0, shared):
         sol = dl.solve_ensemble(
             _diagonal_terms,
@@ -275,11 +275,14 @@ def test_grad_jit_and_float32():
         )
         return jnp.sum(sol.mean**2)
 
-    grad = eqx.filter_jit(
-        jax.grad(loss),
-    )
+    grad = eqx.filter_jit(jax.grad(loss))
     np.testing.assert_allclose(grad(Y0, True), grad(Y0, False), rtol=1e-10)
 
+
+@pytest.mark.slow
+def test_float32():
+    # Adaptive in float32 stays float32. (The multi-device script runs its ensembles, the
+    # shared step's included, in float32; test_adaptive_milstein the adaptive solvers.)
     f32 = jnp.float32
     sol = dl.solve_ensemble(
         lambda key: _diagonal_terms(key, f32),

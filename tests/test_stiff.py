@@ -623,8 +623,9 @@ def test_solver_errors():
     "solver, sde",
     [
         (diffrax.Kvaerno5(root_finder=dl.VeryChord()), False),
-        (diffrax.Kvaerno5(root_finder=dl.Newton()), False),
-        (dl.ImplicitItoMilstein(), True),
+        # The same `solver_operator` call: for time, in the slow suite.
+        pytest.param(diffrax.Kvaerno5(root_finder=dl.Newton()), False, marks=pytest.mark.slow),
+        pytest.param(dl.ImplicitItoMilstein(), True, marks=pytest.mark.slow),
     ],
     ids=["VeryChord", "Newton", "ImplicitItoMilstein"],
 )
