@@ -206,19 +206,25 @@ def paths_of(sol: diffrax.Solution, num: int) -> diffrax.Solution:
 _ADJOINTS = (diffrax.RecursiveCheckpointAdjoint, diffrax.DirectAdjoint, diffrax.ForwardMode)
 
 
+def _has_norm(c) -> bool:
+    return (
+        isinstance(c, diffrax.AbstractAdaptiveStepSizeController)
+        and dataclasses.is_dataclass(c)
+        and "norm" in {f.name for f in dataclasses.fields(c)}
+    )
+
+
 def _per_path_norms(controller, seen: list):
+    """`controller` with the `norm` of every controller in it (a wrapped one too, as in
+    `diffrax.ClipStepSizeController`) taken path by path."""
+
     def wrap(c):
-        if (
-            isinstance(c, diffrax.AbstractAdaptiveStepSizeController)
-            and dataclasses.is_dataclass(c)
-            and "norm" in {f.name for f in dataclasses.fields(c)}
-        ):
+        if _has_norm(c):
             seen.append(c)
             return eqx.tree_at(lambda c: c.norm, c, MaxOverPaths(c.norm))
         return c
 
-    is_controller = lambda x: isinstance(x, diffrax.AbstractStepSizeController)
-    return jtu.tree_map(wrap, controller, is_leaf=is_controller)
+    return jtu.tree_map(wrap, controller, is_leaf=_has_norm)
 
 
 def check_shared_step(terms, keys, solver, saveat, kwargs) -> tuple[SharedStepSolver, dict]:

@@ -321,3 +321,19 @@ def test_errors():
 
     with pytest.raises(ValueError, match="UnsafeBrownianPath"):
         _solve(unsafe, dl.ItoMilstein(), True, **pid)
+
+
+def test_wrapped_controllers_norm_per_path():
+    # The norm of a controller inside another (`diffrax.ClipStepSizeController`'s) is taken
+    # path by path too, not left as the norm over the whole batch.
+    from diffrax_linearize._shared_step import _per_path_norms, MaxOverPaths
+
+    for controller, inner in (
+        (_pid(), lambda c: c),
+        (dfx.ClipStepSizeController(_pid(), step_ts=[0.5]), lambda c: c.controller),
+    ):
+        seen = []
+        wrapped = _per_path_norms(controller, seen)
+        assert len(seen) == 1 and isinstance(inner(wrapped).norm, MaxOverPaths)
+        errors = jnp.array([[0.1, 0.2, 0.2], [3.0, 0.0, 0.0]])
+        np.testing.assert_allclose(inner(wrapped).norm(errors), np.sqrt(3.0))
