@@ -109,14 +109,17 @@ def _leading_size(tree: PyTree, what: str) -> int | None:
 
 
 def _pad(tree: PyTree, pad: int) -> PyTree:
-    """Pads the leading axis by repeating the first entry, so that padded paths are
-    ordinary, finite solves (they are masked out of every reduction)."""
+    """Pads the leading axis by repeating the last entry, so that padded paths are
+    ordinary, finite solves (they are masked out of every reduction), and, with
+    `shared_step=True`, copies of a path of their own chunk, which change none of its
+    steps (padding follows the paths, so a chunk that holds any path holds the one the
+    padding copies)."""
     if pad == 0:
         return tree
 
     def pad_leaf(x):
         x = jnp.asarray(x)
-        fill = jnp.broadcast_to(x[:1], (pad,) + x.shape[1:])
+        fill = jnp.broadcast_to(x[-1:], (pad,) + x.shape[1:])
         return jnp.concatenate([x, fill])
 
     return jtu.tree_map(pad_leaf, tree)
@@ -269,7 +272,7 @@ def solve_ensemble(
     paths `chunk_size` at a time (a `jax.vmap` over a chunk inside a `jax.lax.map` over
     chunks), so memory per device is bounded by the chunk size (plus the saved values,
     if paths or quantiles are requested). A path count that does not divide evenly is
-    padded with copies of the first path, which are masked out of every reduction
+    padded with copies of the last path, which are masked out of every reduction
     exactly and sliced off the returned paths. (The returned `paths` stay sharded when
     the number of devices divides `num_paths`; otherwise XLA cannot shard the path
     axis evenly and gathers `paths` onto every device. Use a divisible path count, or
@@ -583,11 +586,17 @@ def _solve_ensemble(
             static_out.append(static)
         return dynamic
 
-    def solve_one(key, y0_i, args_i, shared_dyn):
+    def inputs(shared_dyn, y0_i, args_i):
+        # The solve's inputs: the shared ones, and `y0` and `args` of a path (or of a
+        # chunk, with `shared_step`) where they are batched.
         shared, terms, solver, saveat, kwargs = eqx.combine(shared_dyn, shared_static)
-        y0_shared, args_shared, (t0, t1, dt0) = shared
+        y0_shared, args_shared, times = shared
         y0 = eqx.combine(y0_shared if y0_i is None else y0_i, y0_static)
         args = eqx.combine(args_shared if args_i is None else args_i, args_static)
+        return terms, solver, saveat, kwargs, times, y0, args
+
+    def solve_one(key, y0_i, args_i, shared_dyn):
+        terms, solver, saveat, kwargs, (t0, t1, dt0), y0, args = inputs(shared_dyn, y0_i, args_i)
         sol = diffrax.diffeqsolve(
             terms(key),
             solver,
@@ -604,15 +613,10 @@ def _solve_ensemble(
 
     def solve_together(keys, y0_b, args_b, shared_dyn):
         # `shared_step=True`: the chunk's paths as one system, one step size for all.
-        shared, terms, solver, saveat, kwargs = eqx.combine(shared_dyn, shared_static)
-        y0_shared, args_shared, (t0, t1, dt0) = shared
+        terms, solver, saveat, kwargs, (t0, t1, dt0), y0, args = inputs(shared_dyn, y0_b, args_b)
         num = jtu.tree_leaves(keys)[0].shape[0]
         if y0_b is None:
-            y0 = eqx.combine(y0_shared, y0_static)
             y0 = jtu.tree_map(lambda x: jnp.broadcast_to(x, (num,) + jnp.shape(x)), y0)
-        else:
-            y0 = eqx.combine(y0_b, y0_static)
-        args = eqx.combine(args_shared if args_b is None else args_b, args_static)
         sol = diffrax.diffeqsolve(
             EnsembleTerm(terms, keys, batch_args),
             solver,
@@ -628,10 +632,7 @@ def _solve_ensemble(
         return dynamic_part(paths_of(sol, num))
 
     def start_one(key, y0_i, args_i, shared_dyn):
-        shared, terms, solver, saveat, kwargs = eqx.combine(shared_dyn, shared_static)
-        y0_shared, args_shared, (t0, t1, dt0) = shared
-        y0 = eqx.combine(y0_shared if y0_i is None else y0_i, y0_static)
-        args = eqx.combine(args_shared if args_i is None else args_i, args_static)
+        terms, solver, saveat, kwargs, (t0, t1, dt0), y0, args = inputs(shared_dyn, y0_i, args_i)
         return start_path(terms, solver, t0, t1, dt0, y0, args, key, saveat, kwargs)
 
     def reduce(sols, used, failed, stats, ts):
@@ -669,12 +670,6 @@ def _solve_ensemble(
         def per_chunk(batched_chunk):
             keys, mask, y0_b, args_b = batched_chunk
             if shared_step:
-                if padded > num_paths or num_chunks * chunk > per_device:
-                    # The padding (copies of the device's first path) is made copies of
-                    # the chunk's first path, so that it does not change the chunk's
-                    # steps. (Without padding, no copy of the inputs is made.)
-                    index = jnp.where(mask, jnp.arange(mask.shape[0]), 0)
-                    keys, y0_b, args_b = jtu.tree_map(lambda x: x[index], (keys, y0_b, args_b))
                 sols = solve_together(keys, y0_b, args_b, shared_dyn)
             else:
                 sols = jax.vmap(solve_one, in_axes=(0, 0, 0, None))(keys, y0_b, args_b, shared_dyn)

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, PRNGKeyArray, PyTree
+from jaxtyping import Array, PyTree
 
 from ._compat import is_sde, is_unsafe_sde, use_stepsize_tol, WrapTerm
 
@@ -26,8 +26,9 @@ class EnsembleTerm(diffrax.AbstractTerm):
     `batch_args`, else `args`. The state is the paths' states, stacked along a leading
     axis."""
 
-    terms: Callable[[PRNGKeyArray], PyTree[diffrax.AbstractTerm]]
-    keys: PRNGKeyArray
+    terms: Callable[[PyTree[Array]], PyTree[diffrax.AbstractTerm]]
+    # One key per path, or a pytree of per-path arrays (`solve_ensemble`'s `keys`).
+    keys: PyTree[Array]
     batch_args: bool = eqx.field(static=True)
 
     # Path by path, as the solver reads them (what `diffrax.diffeqsolve` checks).
@@ -214,15 +215,12 @@ def _has_norm(c) -> bool:
     )
 
 
-def _per_path_norms(controller, seen: list):
+def _per_path_norms(controller):
     """`controller` with the `norm` of every controller in it (a wrapped one too, as in
     `diffrax.ClipStepSizeController`) taken path by path."""
 
     def wrap(c):
-        if _has_norm(c):
-            seen.append(c)
-            return eqx.tree_at(lambda c: c.norm, c, MaxOverPaths(c.norm))
-        return c
+        return eqx.tree_at(lambda c: c.norm, c, MaxOverPaths(c.norm)) if _has_norm(c) else c
 
     return jtu.tree_map(wrap, controller, is_leaf=_has_norm)
 
@@ -294,13 +292,12 @@ def check_shared_step(terms, keys, solver, saveat, kwargs) -> tuple[SharedStepSo
                 tuple(getattr(controller, a) for a in attrs),
             )
     if adaptive:
-        seen = []
-        kwargs["stepsize_controller"] = _per_path_norms(controller, seen)
-        if not seen:
+        if not any(map(_has_norm, jtu.tree_leaves(controller, is_leaf=_has_norm))):
             raise ValueError(
                 f"{_NAME}: the step-size controller {type(controller).__name__} has no "
                 "`norm` field, so the batch's error cannot be measured path by path. Use "
                 "a controller with a `norm` (as `diffrax.PIDController`), or solve "
                 "without `shared_step`."
             )
+        kwargs["stepsize_controller"] = _per_path_norms(controller)
     return SharedStepSolver(solver), kwargs

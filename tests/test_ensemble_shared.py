@@ -332,8 +332,9 @@ def test_wrapped_controllers_norm_per_path():
         (_pid(), lambda c: c),
         (dfx.ClipStepSizeController(_pid(), step_ts=[0.5]), lambda c: c.controller),
     ):
-        seen = []
-        wrapped = _per_path_norms(controller, seen)
-        assert len(seen) == 1 and isinstance(inner(wrapped).norm, MaxOverPaths)
+        wrapped = _per_path_norms(controller)
+        norms = jax.tree.leaves(wrapped, is_leaf=lambda x: isinstance(x, MaxOverPaths))
+        assert sum(isinstance(x, MaxOverPaths) for x in norms) == 1
+        assert isinstance(inner(wrapped).norm, MaxOverPaths)
         errors = jnp.array([[0.1, 0.2, 0.2], [3.0, 0.0, 0.0]])
         np.testing.assert_allclose(inner(wrapped).norm(errors), np.sqrt(3.0))
