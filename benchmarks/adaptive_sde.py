@@ -275,7 +275,6 @@ PROBLEMS = {
         noise="commutative",
         f=_well_f,
         g=_well_g,
-        diagonal=True,
         y0=(-1.0, 1.0),
         ours=dl.ItoMilstein(),
         # The strong order 1.5 Itô-Taylor scheme (diagonal noise, explicit), as a further
@@ -292,7 +291,6 @@ PROBLEMS = {
         noise="commutative, stiff",
         f=_vdp_f,
         g=_vdp_g,
-        diagonal=True,
         y0=(2.0, 0.6),
         # Newton: at the larger fixed steps the default `VeryChord` does not converge.
         ours=dl.ImplicitItoMilstein(root_finder=_NEWTON),
@@ -474,26 +472,37 @@ def _make_solve(
     automatic first step unless it names one."""
     if contender.get("shared"):
         return _make_shared_solve(problem, contender, n_ref, max_steps)
-    f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], problem["g"])
-    g = problem["g"]
     y0 = jnp.asarray(problem["y0"])
-    # The grid path for general noise, and wherever a contender asks for it (`breakdown`).
-    general = problem["noise"] == "general" or contender.get("grid", False)
-
-    def path(key):
-        if general:
-            kind = "iterated" if contender["ito"] else "spacetime"
-            return _GridPath(T1 / n_ref, kind, key)
-        return _tree(key, n_ref)
 
     def one(key, param):
-        bm = path(key)
-        terms = dfx.MultiTerm(dfx.ODETerm(f), dfx.ControlTerm(g, bm))
-        dtmin = T1 / n_ref if general else None
+        terms = _terms(problem, contender, n_ref, key)
+        dtmin = _dtmin(problem, contender, n_ref)
         sol = _diffeqsolve(terms, contender, param, y0, max_steps, dtmin=dtmin)
         return sol.ys[-1], sol.stats["num_steps"], sol.result == dfx.RESULTS.successful
 
     return jax.vmap(one, in_axes=(0, param_axis))
+
+
+def _grid(problem: dict, contender: dict) -> bool:
+    # The grid path for general noise, and wherever a contender asks for it (`breakdown`).
+    return problem["noise"] == "general" or contender.get("grid", False)
+
+
+def _dtmin(problem: dict, contender: dict, n_ref: int) -> float | None:
+    # Steps no shorter than the grid's cells, on the grid path.
+    return T1 / n_ref if _grid(problem, contender) else None
+
+
+def _terms(problem: dict, contender: dict, n_ref: int, path):
+    """The terms of one path of `problem` for `contender`: the Itô or the Stratonovich drift,
+    and the path's Brownian tree (`path` its key) or grid path (`path` its grid data)."""
+    f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], problem["g"])
+    if _grid(problem, contender):
+        kind = "iterated" if contender["ito"] else "spacetime"
+        bm = _GridPath(T1 / n_ref, kind, path)
+    else:
+        bm = _tree(path, n_ref)
+    return dfx.MultiTerm(dfx.ODETerm(f), dfx.ControlTerm(problem["g"], bm))
 
 
 def _stepping(contender: dict, param, **options):
@@ -538,22 +547,12 @@ def _make_shared_solve(problem: dict, contender: dict, n_ref: int, max_steps: in
     data passed as per-path arrays in place of keys), so against the same reference. Every
     path then takes the same steps, with scalar step times, as at fixed steps, and the loop
     ends when the batch is done."""
-    f = problem["f"] if contender["ito"] else _stratonovich(problem["f"], problem["g"])
-    general = problem["noise"] == "general"
     y0 = jnp.asarray(problem["y0"])
 
-    def terms(path):
-        (path,) = path
-        if general:
-            bm = _GridPath(T1 / n_ref, "iterated" if contender["ito"] else "spacetime", path)
-        else:
-            bm = _tree(path, n_ref)
-        return dfx.MultiTerm(dfx.ODETerm(f), dfx.ControlTerm(problem["g"], bm))
-
     def solve(paths, param):
-        controller, dt0 = _stepping(contender, param, dtmin=T1 / n_ref if general else None)
+        controller, dt0 = _stepping(contender, param, dtmin=_dtmin(problem, contender, n_ref))
         sol = dl.solve_ensemble(
-            terms,
+            lambda path: _terms(problem, contender, n_ref, path[0]),
             contender["solver"],
             0.0,
             T1,

@@ -96,7 +96,7 @@ _ADAPTIVE_SDE = (
     "RMS strong error at t = 1 against cost per path (wall time of a vmapped batch, steps) "
     "on three SDEs (commutative, non-commutative, stiff) for ours adaptive "
     "(`PIDController`, each path its own steps), ours adaptive with one step for the whole "
-    "batch (diagonal noise), ours at fixed steps, `HalfSolver(ours)` and Diffrax's adaptive "
+    "batch, ours at fixed steps, `HalfSolver(ours)` and Diffrax's adaptive "
     "SDE solvers. The table: the acceptance ratios at the error of ours adaptive at rtol 1e-3 "
     "(costs interpolated in log-log space; * extrapolated); the JSON has every point."
 )
