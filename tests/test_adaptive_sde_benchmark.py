@@ -276,8 +276,11 @@ def test_breakdown_variants_take_the_fixed_steps():
 
 # Van der Pol (the implicit solver on the batch: 16 s in the suite) is a second case of the
 # same wrapper (`_make_shared_solve`, `_BatchedPath`): slow.
+# The double well by default; Van der Pol and the non-commutative SDE in the slow suite (the
+# shared step on general noise and on grid data passed as keys is checked by default in
+# test_ensemble_shared.py and test_ensemble.py).
 _SHARED = [
-    pytest.param(n, marks=pytest.mark.slow) if "stiff" in p["noise"] else n
+    n if p["noise"] == "commutative" else pytest.param(n, marks=pytest.mark.slow)
     for n, p in bench.PROBLEMS.items()
 ]
 
