@@ -18,6 +18,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import optimistix as optx
 import pytest
 
 
@@ -482,8 +483,9 @@ def _stiff_terms(key):
 
 @pytest.mark.parametrize("theta", [1.0, 0.5])
 def test_implicit_estimate_is_filtered_by_the_step_operator(theta):
-    # The drift-implicit estimate is the explicit one (`_error_estimate`) solved against
-    # I - theta dt J(t1, y1), J by `jax.jacfwd`, dense.
+    # The drift-implicit estimate is the explicit one (`_error_estimate`) plus the
+    # trapezoidal rule's drift error -h^2 (y''(t1) - y''(t0)) / 12, y'' = df/dt + J f, solved
+    # against I - theta dt J(t1, y1); every derivative by `jax.jacfwd`, dense.
     from diffrax_linearize._solver.milstein import _error_estimate
 
     solver = dl.ImplicitItoMilstein(theta=theta)
@@ -491,13 +493,43 @@ def test_implicit_estimate_is_filtered_by_the_step_operator(theta):
     t0, t1, y0 = 0.2, 0.25, jnp.array([1.3, -0.4])
     y1, y_error, *_ = solver.step(terms, t0, t1, y0, None, None, False)
     _, parts = solver._explicit(terms, t0, t1, y0, None)
-    raw = _error_estimate(terms, t1, y1, None, parts, drift_weight=0.5 - theta)
+
+    def second_derivative(t, y):
+        t = jnp.asarray(t)
+        dfdt = jax.jacfwd(_stiff_drift, argnums=0)(t, y, None)
+        return dfdt + jax.jacfwd(_stiff_drift, argnums=1)(t, y, None) @ _stiff_drift(t, y, None)
+
+    trapezoidal = -((t1 - t0) ** 2) / 12 * (second_derivative(t1, y1) - second_derivative(t0, y0))
+    raw = _error_estimate(terms, t1, y1, None, parts, drift_weight=0.5 - theta) + trapezoidal
     jac = jax.jacfwd(lambda y: _stiff_drift(t1, y, None))(y1)
     expected = jnp.linalg.solve(jnp.eye(2) - theta * (t1 - t0) * jac, raw)
     np.testing.assert_allclose(y_error, expected, rtol=1e-10, atol=1e-14)
     # The stiff component is damped by about 1 + theta dt 1e4, the other hardly.
     assert abs(y_error[0]) < abs(raw[0]) / (1 + 0.9 * theta * 0.05 * 1e4)
     np.testing.assert_allclose(y_error[1], raw[1], rtol=0.06)
+
+
+def test_implicit_drift_estimate_is_the_local_error():
+    # Without noise the estimate of a drift-implicit step is its local error to leading
+    # order, for every theta: at theta = 1/2 the trapezoidal rule's own h^3 error (an
+    # estimate of the difference from the trapezoidal rule alone would be zero there, and
+    # the controller would see no drift error at all), elsewhere the h^2 term and that one.
+    # Its relative mismatch falls like h (the next terms, and the stiff filter's
+    # (I - theta h J)^-1 = I + O(h)), at theta = 1/2 like h^2.
+    rate = jnp.array([1.0, 3.0])
+    drift = lambda t, y, args: -(rate + t) * y
+    bm = dfx.VirtualBrownianTree(0.0, 1.0, tol=2**-10, shape=(2,), key=jr.key(0))
+    terms = dfx.MultiTerm(dfx.ODETerm(drift), dfx.ControlTerm(lambda t, y, a: 0 * jnp.eye(2), bm))
+    t0, y0 = 0.3, jnp.array([1.0, -0.5])
+    newton = dl.Newton(rtol=1e-13, atol=1e-13, norm=optx.max_norm)
+    step = eqx.filter_jit(lambda solver, t1: solver.step(terms, t0, t1, y0, None, None, False))
+    for theta in (0.5, 0.75, 1.0):
+        solver = dl.ImplicitItoMilstein(theta=theta, root_finder=newton)
+        for h in (0.02, 0.01):
+            y1, y_error, *_ = step(solver, t0 + h)
+            exact = y0 * jnp.exp(-(rate * h + ((t0 + h) ** 2 - t0**2) / 2))
+            rtol = 2 * h**2 if theta == 0.5 else 2 * h
+            np.testing.assert_allclose(y_error, exact - y1, rtol=rtol)
 
 
 def test_implicit_adaptive_steps_past_the_stiff_limit():
