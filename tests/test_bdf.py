@@ -403,7 +403,12 @@ def _complex_solve(f, y0, solver, dtype, rtol, t1):
         )
 
 
-@pytest.mark.parametrize("path", ["small", "dense", "block", "band", "sparse", "gmres"])
+# The block path in the slow suite: test_stiff.py's complex state takes it by default.
+_COMPLEX_PATHS = ["small", "dense", pytest.param("block", marks=pytest.mark.slow)]
+_COMPLEX_PATHS += ["band", "sparse", "gmres"]
+
+
+@pytest.mark.parametrize("path", _COMPLEX_PATHS)
 def test_complex_state(path):
     """A complex state on each path of `StructuredLinearSolver` (the state's class says
     which was taken), under JAX's strict promotion: complex128
@@ -556,6 +561,9 @@ def test_complex_non_holomorphic(solver):
     np.testing.assert_allclose(sol.ys[-1].imag, split[1:], rtol=1e-5)
 
 
+# 17 s (two reverse-mode solves at rtol 1e-9): the slow suite. The forward solve of the same
+# non-holomorphic field is checked by default (test_complex_non_holomorphic).
+@pytest.mark.slow
 def test_complex_non_holomorphic_gradient():
     """`jax.grad` through a complex state whose vector field is not holomorphic, under
     JAX's strict promotion: the corrector is differentiated as its real and imaginary

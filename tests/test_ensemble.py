@@ -305,10 +305,11 @@ def test_per_path_arrays_as_keys():
 
     pid = dict(stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-3))
     t1 = diffrax.SaveAt(t1=True)
+    at_ts = reference(SAVEAT)
     cases = [
-        (dict(saveat=SAVEAT), reference(SAVEAT), 1e-12),
-        (dict(saveat=SAVEAT, chunk_size=3), reference(SAVEAT), 1e-12),
-        (dict(saveat=SAVEAT, shared_step=True), reference(SAVEAT), 1e-12),
+        (dict(saveat=SAVEAT), at_ts, 1e-12),
+        (dict(saveat=SAVEAT, chunk_size=3), at_ts, 1e-12),
+        (dict(saveat=SAVEAT, shared_step=True), at_ts, 1e-12),
         # Adaptive: the controller amplifies the lanes loop's other rounding (3e-9 here);
         # a path given another path's data would be off by more than 1e-2.
         (dict(saveat=t1, lanes=2, **pid), reference(t1, **pid), 1e-7),
