@@ -9,9 +9,10 @@ Problems (all Itô, `y` in R^2, two noise channels, t in [0, 1]):
 - `non-commutative, noise burst` (general noise): `dy = (-y + sin 4t) dt + s(t) g(y) dW` with
   `g(y)_:j = A_j y / (1 + |y|^2 / 4)^(1/2)`, `[A_1, A_2] != 0`, the same kind of burst.
 - `stochastic Van der Pol, relaxation` (stiff, diagonal): Liénard form `dx = c mu (x - x^3/3
-  - v) dt + s_x dW_1`, `dv = c x / mu dt + s_v sqrt(1 + v^2) dW_2`, mu = 10, c = 12 (one
-  relaxation jump in [0, 1]): stiff on the slow branches (drift eigenvalue about -c mu (x^2
-  - 1)), fast in the jumps.
+  - v) dt + s_x dW_1`, `dv = c x / mu dt + s_v sqrt(1 + v^2) dW_2`, mu = 10, c = 12 (from
+  y0 = (2, 0.6), off the slow branch, every path jumps to the other branch early in [0, 1],
+  and most jump back late in it, each at a time of its own): stiff on the slow branches
+  (drift eigenvalue about -c mu (x^2 - 1)), fast in the jumps.
 
 Contenders, each adaptive one with the step-size controller that served it best (`CONTROLLER`,
 `DIFFRAX_CONTROLLER`): ours adaptive (`diffrax.PIDController(rtol, atol=rtol, pcoeff=0.3,
@@ -876,7 +877,10 @@ TABLE_NOTE = (
     "the steps per path are the mean over paths; fixed steps are the same on every path. "
     "n/a: fewer than two tolerances of that contender solved every path (a failed "
     "root find inside `diffrax.HalfSolver` ends the solve), or there is no such contender "
-    '(`HalfSolver` refuses the general-noise solvers). "adaptive 1.5": `ItoTaylor15` '
+    "(`HalfSolver` refuses the general-noise solvers), or the error lies outside the "
+    "contender's measured errors and the line through its nearest three points is not "
+    "that of a convergent method (its errors level off: `_cost_at`). * : extrapolated "
+    'along that line. "adaptive 1.5": `ItoTaylor15` '
     'adaptive, where it applies. "fixed / SPaRK fixed": ours over SPaRK, both at fixed '
     "steps, on the same paths (above 1: at fixed steps SPaRK's step buys its accuracy "
     "more cheaply than ours; `fixed_steps` in the JSON has it step by step). The last line "
