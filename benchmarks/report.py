@@ -16,7 +16,6 @@ serves the PNG and JSON files from `benchmarks/results/` (the hook
 import argparse
 import importlib
 import json
-import math
 import pathlib
 import re
 
@@ -932,34 +931,7 @@ def _adaptive_sde_figures() -> dict[str, str]:
     source = f"`benchmarks/results/{paths[0].name}`; {_machine_line(data['machine'])}"
     note = f" {data['note']}." if data.get("note") else ""
     text = f"{table(data['acceptance'])}\n\n{TABLE_NOTE} From {source}.{note}"
-    return {"adaptive-sde-table": f"\n\n{text}\n\n", **_vdp_sweep(data)}
-
-
-def _vdp_sweep(data: dict) -> dict[str, str]:
-    """On Van der Pol, whose RMS error at t = 1 turns on which branch the paths that jump
-    just before t = 1 land on: every point of ours adaptive, of its shared step and of its
-    fixed steps, in the order of their parameter, with its cost."""
-    problem = "stochastic Van der Pol, relaxation"
-    rows = [r for r in data["rows"] if r["problem"] == problem and r["failed_paths"] == 0]
-
-    def sweep(method, kind):
-        pts = sorted((r for r in rows if r["method"] == method), key=lambda r: -r["param"])
-        show = (lambda p: f"2^{round(math.log2(p))}") if kind == "dt" else (lambda p: f"{p:g}")
-        points = ", ".join(
-            f"{show(r['param'])}: {r['rms_error']:.2g} ({r['time_per_path_s'] * 1e3:.2g} ms)"
-            for r in pts
-        )
-        return f"{method} at {kind} {points}"
-
-    text = "; ".join(
-        sweep(m, k)
-        for m, k in (
-            ("ours adaptive", "rtol"),
-            ("ours adaptive, shared step", "rtol"),
-            ("ours fixed", "dt"),
-        )
-    )
-    return {"adaptive-sde-vdp-sweep": f"RMS error (cost per path) of {text}"}
+    return {"adaptive-sde-table": f"\n\n{text}\n\n"}
 
 
 def figures() -> dict[str, str]:
