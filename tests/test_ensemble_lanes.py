@@ -210,12 +210,14 @@ def test_lanes_drift_implicit_milstein_to_tolerance():
     # so one more or one fewer iteration turns a 1e-15 difference into a 1e-9 one, which
     # grows and eventually flips an accept/reject decision: some paths take a few steps
     # more or fewer. (Without lanes, above, it is exact; so are Kvaerno3 and BDF with
-    # lanes on these paths.) So: every path solved, values and step counts close.
+    # lanes on these paths.) So: every path solved, values and step counts close (at -O0,
+    # on 2026-12-06, one path of seven took 16% more steps, 73 against 63; a lane on
+    # another path's rate would be off by far more: the counts span a factor of 4).
     out, (_, ys, stats, result) = _solve_case("ImplicitItoMilstein, PID", 3)
     np.testing.assert_array_equal(out.paths.result._value, result)
     steps, expected_steps = out.paths.stats["num_steps"], np.asarray(stats["num_steps"])
     assert expected_steps.max() >= 4 * expected_steps.min(), expected_steps
-    assert np.all(np.abs(steps - expected_steps) <= 0.1 * expected_steps + 2), steps
+    assert np.all(np.abs(steps - expected_steps) <= 0.25 * expected_steps + 2), steps
     # The controller's tolerance is 1e-3; a lane on the wrong key or rate would be far off.
     np.testing.assert_allclose(out.paths.ys, ys, rtol=0, atol=5e-3)
     np.testing.assert_allclose(out.mean, np.asarray(ys).mean(0), rtol=0, atol=5e-3)

@@ -685,7 +685,9 @@ def _vf_noncommuting_2(t, y, args):
     # the PID-controller tests of tests/test_adaptive_milstein.py.
     [
         pytest.param(_vf_diagonal_dense, marks=pytest.mark.slow),
-        pytest.param(_vf_noncommuting_2, marks=pytest.mark.slow),
+        # Bit for bit only at XLA's default level: at -O0 the two programs round
+        # differently, and by step 50 an ulp has become one step more (52 against 51).
+        pytest.param(_vf_noncommuting_2, marks=[pytest.mark.slow, pytest.mark.default_xla_opt]),
     ],
     ids=["diagonal", "yG"],
 )

@@ -216,7 +216,19 @@ def test_kencarp_imex():
     y0 = jnp.tile(jnp.array([1.0, 0.0, 0.0]), 3)
 
     ours, default = _ours_and_default(terms, diffrax.KenCarp4, y0, t1=1.0)
-    assert_tree_allclose(ours.ys, default.ys, rtol=1e-8, atol=1e-12)
+    # Not the same steps as Diffrax's default root finder (14 against 36 here: see
+    # `test_very_chord_drop_in`), so both are held to a tight solve, to the tolerances.
+    tight = diffrax.diffeqsolve(
+        terms,
+        diffrax.KenCarp4(root_finder=diffrax.VeryChord(rtol=1e-12, atol=1e-14)),
+        0.0,
+        1.0,
+        None,
+        y0,
+        stepsize_controller=diffrax.PIDController(rtol=1e-11, atol=1e-13),
+    )
+    for sol in (ours, default):
+        assert_tree_allclose(sol.ys, tight.ys, rtol=1e-6, atol=1e-8)
 
 
 def test_jacobian_is_structured():

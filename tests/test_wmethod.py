@@ -39,6 +39,8 @@ class _FrozenRodas4P(dl.AbstractRosenbrockW):
     linear_solver: lx.AbstractLinearSolver = dl.StructuredLinearSolver()
     jacobian_every: int = 20
     refactor_ratio: float = 2.0
+    rtol: float | None = None
+    atol: float | None = None
     tableau: ClassVar = _RODAS4P
 
 
