@@ -1,3 +1,4 @@
+import gc
 import itertools
 import os
 import re
@@ -28,6 +29,19 @@ import pytest  # noqa: E402
 # Float64 everywhere: the references (`jax.jacfwd`, per-example `vmap(grad)`, diffrax's own
 # solvers) are compared to tight tolerances. Tests of float32 ask for it explicitly.
 jax.config.update("jax_enable_x64", True)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # Every compiled XLA:CPU program keeps a few memory mappings for its code while JAX's
+    # caches hold it (about 40 per test of the op catalogue), and a process may have at most
+    # `vm.max_map_count` (65530 by default) of them: a pytest-xdist worker that runs the
+    # slow tests crashed in XLA's compiler ("Segmentation fault" in
+    # `backend_compile_and_load`, three times in two runs, 2026-12-06) once it had compiled
+    # that many. So each test module's programs are dropped when the next module starts;
+    # the tests of a module still share theirs.
+    if nextitem is None or nextitem.module is not item.module:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
