@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-latest test-diffrax bench docs chromium check-wheel lint clean
+.PHONY: demo test test-slow test-sweep test-latest test-diffrax bench docs chromium check-wheel lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,14 +25,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # The suite runs on two pytest-xdist workers (CI's two cores; TEST_WORKERS=1 for one
-# process). `test-slow` runs the tests kept out of the default run for time: thousands of
-# random programs, second solvers of a check, the costlier strong-order fits and adjoints.
+# process). `test-slow` runs the tests kept out of `make test` to keep it under 10 minutes
+# (second solvers and cases of a check, the costlier strong-order fits, adjoints and
+# guides): CI runs them after it. `test-sweep` runs the generated sweeps, thousands of
+# cases (the op catalogue's whole product, 3175 random programs): hours, not in CI.
 TEST_WORKERS ?= 2
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m slow
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m slow --durations=20
+
+test-sweep: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m sweep
 
 # The suite against the newest releases, without constraints (jax 0.12 needs Python 3.12+):
 #   make test-latest PYTHON_LATEST=/path/to/python3.12

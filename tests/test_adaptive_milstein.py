@@ -532,6 +532,7 @@ def test_implicit_drift_estimate_is_the_local_error():
             np.testing.assert_allclose(y_error, exact - y1, rtol=rtol)
 
 
+@pytest.mark.slow
 def test_implicit_adaptive_steps_past_the_stiff_limit():
     # Unfiltered, the estimate grows like |dt lambda| along the stiff eigenvalue (-1e4) and
     # the controller keeps dt near the explicit stability limit: hundreds of steps on

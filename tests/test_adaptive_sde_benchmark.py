@@ -242,6 +242,7 @@ def test_loop_kernels_counts_the_loop_and_refuses_an_inner_loop():
     assert bench._loop_kernels(jax.jit(jnp.sin).lower(1.0).compile().as_text()) is None
 
 
+@pytest.mark.slow
 def test_breakdown_variants_take_the_fixed_steps():
     # The breakdown's variants of ours at a fixed step (per-path step times; adaptive with
     # every step accepted) take the same steps as the fixed solve and land where it does.

@@ -282,6 +282,7 @@ def test_float32():
 _A_STRICT = np.array([[-1.0, 0.5], [0.2, -2.0]])
 
 
+@pytest.mark.slow
 def test_strict_promotion():
     """Under JAX's strict dtype and rank promotion, as Diffrax's own tests run (found by
     `tests/diffrax_suite.py --stiff`: integer arrays met float and int32 ones in the step
@@ -405,7 +406,7 @@ def _complex_solve(f, y0, solver, dtype, rtol, t1):
 
 # The block path in the slow suite: test_stiff.py's complex state takes it by default.
 _COMPLEX_PATHS = ["small", "dense", pytest.param("block", marks=pytest.mark.slow)]
-_COMPLEX_PATHS += ["band", "sparse", "gmres"]
+_COMPLEX_PATHS += [pytest.param(p, marks=pytest.mark.slow) for p in ("band", "sparse", "gmres")]
 
 
 @pytest.mark.parametrize("path", _COMPLEX_PATHS)
@@ -427,7 +428,7 @@ def test_complex_state(path):
     "solver",
     [
         pytest.param(dl.BDF(max_order=1, ndf=False), marks=pytest.mark.slow),  # ~6 s
-        dl.BDF(max_order=5, ndf=False),
+        pytest.param(dl.BDF(max_order=5, ndf=False), marks=pytest.mark.slow),
         # A second NDF: every test_complex_state case is the default (NDF of order 3), and
         # complex64 and the Kvaerno5 comparison run with the other orders here.
         pytest.param(dl.BDF(max_order=2), marks=pytest.mark.slow),
@@ -854,7 +855,10 @@ def _stepped(solver, controller, f, y0, t1):
 @pytest.mark.parametrize(
     # ~8 s each on 2 loaded cores: the PI controller in the slow suite.
     "pcoeff, icoeff",
-    [(0.0, 1.0), pytest.param(0.3, 0.4, marks=pytest.mark.slow)],
+    [
+        pytest.param(0.0, 1.0, marks=pytest.mark.slow),
+        pytest.param(0.3, 0.4, marks=pytest.mark.slow),
+    ],
 )
 def test_variable_order_holds_the_step_size(pcoeff, icoeff):
     """The variable order changes its step size or its order only after q + 1 accepted
@@ -959,6 +963,7 @@ def test_forward_mode_matches_reverse():
 
 
 # The one gradient test of the default suite (~10 s on 2 loaded cores, its compilation).
+@pytest.mark.slow
 def test_grad_linear_exact():
     """For y' = A y, the gradient of `w . y(T)` with respect to `y0` is `expm(A T)^T w`
     and with respect to a scale `s` of A (y' = s A y) `w . A T expm(s A T) y0`: the

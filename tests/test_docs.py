@@ -116,6 +116,7 @@ def test_page_code_runs(page):
         _assert_same_output(printed.getvalue(), "".join(_outputs(text)), page)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", ["stiff.md", "sparse.md"])
 def test_guide_runs_in_float32(page):
     """The stiff and sparse guides, which turn on x64, run without it too: in JAX's default

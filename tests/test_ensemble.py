@@ -284,6 +284,7 @@ class _ScaledDiagonal(eqx.Module):
         return lx.DiagonalLinearOperator(self.scale * y)
 
 
+@pytest.mark.slow
 def test_per_path_arrays_as_keys():
     # `keys` as a container of per-path arrays (here a key and a noise scale per path):
     # path i has the terms `terms(keys[i])`, in every mode, as a `jax.vmap` over them.

@@ -166,6 +166,8 @@ _SLOW = {
     ("ItoMilstein, PID", len(SDE_RATES)),
     ("BDF ODE", None),
     ("Kvaerno3 ODE, saveat fn", None),
+    ("ImplicitItoMilstein, PID", None),
+    ("BDF ODE", 3),
 }
 
 

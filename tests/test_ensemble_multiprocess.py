@@ -111,7 +111,9 @@ def _wait_for(proc, text, timeout):
     raise AssertionError(f"process {proc.process_id} never printed {text!r}")
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker", "coordinator"])
+@pytest.mark.parametrize(
+    "victim", [pytest.param(1, marks=pytest.mark.slow), 0], ids=["worker", "coordinator"]
+)
 def test_killed_process_stops_the_others(tmp_path, victim):
     # A short heartbeat timeout, as a cluster job would choose; JAX's default is 100 s.
     # The coordinator notices a killed worker only by it (most of this test's time).

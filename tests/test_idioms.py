@@ -256,6 +256,7 @@ def test_cell_loops(name):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_cell_loop_transforms():
     y = _state((40,))
     expected = np.asarray(jacfwd_compiled(cell_loop, y))

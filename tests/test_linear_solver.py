@@ -250,6 +250,7 @@ def test_bdf_matrix_free(monkeypatch):
     assert float(jnp.max(jnp.abs(free.ys[-1] - lu.ys[-1]) / scale)) < 1
 
 
+@pytest.mark.slow
 def test_bdf_gmres_refreshes_carry_exact_diagonals(monkeypatch):
     # On the GMRES path a refreshed Jacobian is read as its diagonal only: the carried
     # M_J = I - c_J J and dM = -h_J J at (t_J, y_J) have exactly jax.jacfwd's diagonals,

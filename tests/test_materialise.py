@@ -1241,6 +1241,7 @@ def test_while_loop_has_a_rule():
     assert_tree_allclose(out, jax.jacfwd(fn)(x), rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_vmap_of_while_loop_with_data_dependent_trip_count():
     """Under `vmap`, a `while` loop whose trip count depends on the data has a batched
     predicate: each lane stops on its own (a carry keeps its value where its lane's

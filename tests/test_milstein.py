@@ -591,6 +591,7 @@ def test_ito_milstein_correction_pytree():
 #
 
 
+@pytest.mark.slow
 def test_grad_against_diffrax():
     bm = _vbt((D,), jr.key(6))
 

@@ -12,7 +12,7 @@ test, so a failing one names exactly what failed, and a known failure is marked
 fails: remove the marker then).
 
 The default run checks every sixth case of a fixed sample that holds every record once;
-`make test-slow` runs the rest of the sample and the whole product. `python
+`make test-slow` runs the rest of the sample, `make test-sweep` the whole product. `python
 tests/test_op_catalogue.py` prints the survey of reports that say "No dense fallback"
 while the operator is dense.
 """
@@ -612,7 +612,7 @@ def check(case: Case):
 
 
 # The default run takes every sixth case of the sample (the suite's ten minutes on two
-# cores); `make test-slow` the rest of it, and the whole product.
+# cores); `make test-slow` the rest of it (in CI), `make test-sweep` the whole product.
 @pytest.mark.parametrize("case", _params(default_sample()[::6]))
 def test_catalogue_sample(case):
     check(case)
@@ -624,7 +624,7 @@ def test_catalogue_sample_rest(case):
     check(case)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("case", _params(all_cases()))
 def test_catalogue(case):
     check(case)

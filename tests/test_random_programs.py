@@ -483,12 +483,12 @@ def _run_group(seeds, inject=False):
 GROUP = 25  # programs per compilation: larger groups amortise the per-jit overhead
 
 
-@pytest.mark.parametrize("group", range(1))  # 25 programs; 3175 more under slow
+@pytest.mark.parametrize("group", range(1))  # 25 programs; 3175 more under sweep
 def test_random_programs(group):
     _run_group(range(group * GROUP, (group + 1) * GROUP))
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("group", range(1, 128))  # 3175 more
 def test_random_programs_slow(group):
     _run_group(range(group * GROUP, (group + 1) * GROUP))

@@ -753,7 +753,10 @@ def _random_stencil_program(seed):
     return fn, jnp.asarray(rng.randn(n)), " -> ".join(lines)
 
 
-@pytest.mark.parametrize("keep_patterns", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize(
+    "keep_patterns",
+    [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)],
+)
 def test_random_stencil_programs(keep_patterns, monkeypatch):
     if keep_patterns:
         monkeypatch.setattr(_sparsity, "DENSE_FRACTION", np.inf)
@@ -860,6 +863,7 @@ def _pollu_like(n, per_row=10, seed=0):
     return dl.SparseLinearOperator(values, cols, jax.ShapeDtypeStruct((n,), values.dtype))
 
 
+@pytest.mark.slow
 def test_small_sparse_is_solved_dense():
     """A sparse operator of fewer than `dense_below` unknowns (a POLLU-like pattern of 20,
     a periodic stencil of 32) is LU-factored dense, as measured faster; with

@@ -145,6 +145,7 @@ def test_very_chord_terminates_as_upstream():
     assert_tree_allclose(ours.ys, upstream.ys, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_newton_solves_the_same_problem():
     reference = _robertson_solve(diffrax.Kvaerno5(), N=2)
     ours = _robertson_solve(diffrax.Kvaerno5(root_finder=dl.Newton()), N=2)

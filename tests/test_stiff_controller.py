@@ -381,6 +381,7 @@ def test_wrapped_by_clip_controller():
     assert _digits(sol.ys[np.isfinite(ts)][-1], ref, 1e-6, 1e-10) > 5
 
 
+@pytest.mark.slow
 def test_variable_order_bdf_is_refused_and_fixed_order_bdf_follows():
     """The variable-order BDF proposes its steps through its error and holds a step with a
     constant one, which the predictive term reads as a trend: the step halved at every step

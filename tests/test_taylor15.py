@@ -94,6 +94,7 @@ def test_strong_order_scalar_noise_linear_system():
     assert 1.3 < _order(DTS, errs) < 1.8, errs
 
 
+@pytest.mark.slow
 def test_local_error_order_gbm():
     """One step from the same state on the same path, against the exact solution of
     diagonal GBM: root-mean-square local error O(h^2) (Milstein's O(h^{3/2})), the
@@ -184,6 +185,7 @@ def test_strong_order_double_well_against_fine_milstein():
     assert 1.3 < _order(DTS, errs) < 2.3, errs
 
 
+@pytest.mark.slow
 def test_estimate_tracks_true_local_error_of_milstein_step():
     """The estimate is the difference from the Milstein step, so it should track the
     Milstein step's true local error (exact solution of GBM from the same state on the same
@@ -332,6 +334,7 @@ def test_adaptive_order_one_comes_from_steps_that_read_their_own_increments():
     assert 0.5 < -_order([1e-2, 1e-3, 1e-4], accepted) < 0.8, accepted
 
 
+@pytest.mark.slow
 def test_jit_vmap_float32():
     """float32 in, float32 out, under `jax.jit` and `jax.vmap`, as close to the exact solution
     as float64 is at the same tolerance (`test_pid_controller_adapts_and_converges`; a

@@ -244,6 +244,7 @@ def test_bad_fields(kwargs):
         dl.ROS34PW2(**kwargs)
 
 
+@pytest.mark.slow
 def test_gmres_path_carried_across_steps():
     # A periodic 2D grid of 2 x 16 x 16 unknowns: its reordered band is too wide to factor
     # (`StructuredLinearSolver` takes GMRES), and the W-method carries GMRES's state from
