@@ -404,9 +404,12 @@ def _complex_solve(f, y0, solver, dtype, rtol, t1):
         )
 
 
-# The block path in the slow suite: test_stiff.py's complex state takes it by default.
-_COMPLEX_PATHS = ["small", "dense", pytest.param("block", marks=pytest.mark.slow)]
-_COMPLEX_PATHS += [pytest.param(p, marks=pytest.mark.slow) for p in ("band", "sparse", "gmres")]
+# The small and dense paths by default; the structured ones in the slow suite
+# (test_stiff.py's complex state takes the block path by default).
+_COMPLEX_PATHS = ["small", "dense"]
+_COMPLEX_PATHS += [
+    pytest.param(p, marks=pytest.mark.slow) for p in ("block", "band", "sparse", "gmres")
+]
 
 
 @pytest.mark.parametrize("path", _COMPLEX_PATHS)
@@ -852,14 +855,8 @@ def _stepped(solver, controller, f, y0, t1):
     return y, records
 
 
-@pytest.mark.parametrize(
-    # ~8 s each on 2 loaded cores: the PI controller in the slow suite.
-    "pcoeff, icoeff",
-    [
-        pytest.param(0.0, 1.0, marks=pytest.mark.slow),
-        pytest.param(0.3, 0.4, marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.slow  # ~8 s each on 2 loaded cores
+@pytest.mark.parametrize("pcoeff, icoeff", [(0.0, 1.0), (0.3, 0.4)])
 def test_variable_order_holds_the_step_size(pcoeff, icoeff):
     """The variable order changes its step size or its order only after q + 1 accepted
     steps of one size at order q (scipy's and CVODE's rule, which keeps orders 4 and 5

@@ -753,10 +753,8 @@ def _random_stencil_program(seed):
     return fn, jnp.asarray(rng.randn(n)), " -> ".join(lines)
 
 
-@pytest.mark.parametrize(
-    "keep_patterns",
-    [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("keep_patterns", [False, True])
 def test_random_stencil_programs(keep_patterns, monkeypatch):
     if keep_patterns:
         monkeypatch.setattr(_sparsity, "DENSE_FRACTION", np.inf)
