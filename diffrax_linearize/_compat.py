@@ -5,7 +5,10 @@ should be a change to this file alone. Public `jax.extend` names are preferred w
 they exist.
 """
 
+import diffrax
 import diffrax._adjoint as _diffrax_adjoint
+import diffrax._brownian.tree as _diffrax_tree
+import diffrax._misc as _diffrax_misc
 import jax
 import jax.extend.core as jex_core
 from diffrax._heuristics import is_sde as is_sde, is_unsafe_sde as is_unsafe_sde
@@ -33,6 +36,36 @@ select_initial_step = _select_initial_step
 # Diffrax 0.7.2's rounding of a step's end to `t1`, reused by the refilling ensemble loop
 # (`_refill.py`) so that its steps are exactly `diffeqsolve`'s.
 clip_to_end = _clip_to_end
+# `VirtualBrownianTree`'s two halves of `evaluate(t0, t1)`: its value at one time (one
+# descent of the tree) and the increment between two values (Chen's relation, then back
+# to the tree's time scale). The SDE solvers carry the value at the end of a step to the
+# next (`_brownian_carry.py`), and form the increment exactly as `evaluate` does. Without
+# these internals they descend twice per step, through `evaluate`.
+try:
+    linear_rescale = _diffrax_misc.linear_rescale
+    _levy_diff = _diffrax_tree._levy_diff
+    _levy_tree_transpose = _diffrax_tree.levy_tree_transpose
+    has_brownian_tree_internals = all(
+        hasattr(diffrax.VirtualBrownianTree, name) for name in ("_evaluate", "_denormalise_bm_inc")
+    )
+except AttributeError:
+    linear_rescale = None
+    has_brownian_tree_internals = False
+
+
+def brownian_tree_value(tree, r):
+    """The tree's value (its `_LevyVal`s) at `r` on its `[0, 1]` scale: one descent."""
+    return tree._evaluate(r)
+
+
+def brownian_tree_increment(tree, levy_0, levy_1):
+    """The increment between the tree's values `levy_0` and `levy_1`, with its Lévy area
+    if the tree has one: `tree.evaluate(t0, t1, use_levy=True)` from its two halves."""
+    out = jax.tree_util.tree_map(_levy_diff, tree.shape, levy_0, levy_1)
+    out = _levy_tree_transpose(tree.shape, out)
+    return tree._denormalise_bm_inc(out)
+
+
 # `WrapTerm` (above): how `diffrax.diffeqsolve` wraps every term with the direction of
 # time; the shared-step ensemble solver (`_shared_step.py`) wraps each path's terms alike.
 # `implicit_jvp` (above): optimistix's implicit-function-theorem JVP, the piece behind

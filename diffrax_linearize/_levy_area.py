@@ -314,7 +314,18 @@ class LevyAreaBrownianPath(AbstractBrownianPath):
         [`diffrax_linearize.IteratedIntegrals`][] with it and its sampled Lévy area. If
         `t1` is not given, the increment is over `[bm.t0, t0]`."""
         del left
-        dW = self.bm.evaluate(t0, t1)
+        return self._with_increment(self.bm.evaluate(t0, t1), t0, t1, use_levy)
+
+    def _with_increment(
+        self,
+        dW: Float[Array, " m"],
+        t0: Real[ScalarLike, ""],
+        t1: Real[ScalarLike, ""] | None,
+        use_levy: bool,
+    ) -> Float[Array, " m"] | IteratedIntegrals:
+        """`evaluate(t0, t1, use_levy=use_levy)` given the increment `dW` of `bm` over
+        `[t0, t1]`, found elsewhere (the SDE solvers carry the Brownian tree's value from
+        one step to the next and descend it once per step)."""
         if not use_levy:
             return dW
         if t1 is None:

@@ -882,7 +882,12 @@ def test_solver_metadata():
         assert ours.interpolation_cls is theirs.interpolation_cls
         assert ours.strong_order(terms) == theirs.strong_order(terms) == 1
         assert ours.error_order(terms) == theirs.error_order(terms)
-        assert ours.init(terms, T0, T1, _Y0, None) is None
+        # The state is the Brownian tree's value at the end of the last step (nothing yet);
+        # a path that is not a `VirtualBrownianTree` gets none, as Diffrax's solver.
+        state = ours.init(terms, T0, T1, _Y0, None)
+        assert jnp.isnan(state.r)
+        unsafe = _terms(_vf_scalar, dfx.UnsafeBrownianPath((), jr.key(0)))
+        assert ours.init(unsafe, T0, T1, _Y0, None) is theirs.init(unsafe, T0, T1, _Y0, None)
         with pytest.raises(ValueError, match="diffrax_linearize"):
             ours.order(terms)
     assert isinstance(dl.ItoMilstein(), dfx.AbstractItoSolver)

@@ -27,6 +27,7 @@ from diffrax import (
     RESULTS,
 )
 
+from .._brownian_carry import carried_terms, init_carry
 from .._linear_solver import StructuredLinearSolver
 from .._materialise import solver_operator
 from .._root_finder import VeryChord
@@ -139,7 +140,8 @@ def _filter_stiff(solver, terms, t0, t1, y1, args, y_error: _Y) -> _Y:
 
 
 class _DriftImplicit:
-    """What the drift-implicit solvers share: no solver state, local linear
+    """What the drift-implicit solvers share: the Brownian tree's value at the end of the
+    last step as solver state (`_brownian_carry.py`), local linear
     interpolation, `func` evaluating the drift and the diffusion, and a `step` that takes
     the solver's explicit step `_explicit(terms, t0, t1, y0, args)` (and what its error
     estimate needs) and makes its drift implicit."""
@@ -154,14 +156,15 @@ class _DriftImplicit:
         return 1
 
     def init(self, terms, t0, t1, y0, args):
-        return None
+        return init_carry(terms, t0)
 
     def func(self, terms, t0, y0, args):
         drift, diffusion = terms.terms
         return drift.vf(t0, y0, args), diffusion.vf(t0, y0, args)
 
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
-        del solver_state, made_jump
+        del made_jump
+        terms, solver_state = carried_terms(terms, t0, t1, solver_state)
         explicit, parts = self._explicit(terms, t0, t1, y0, args)
         y1, result = _implicit_drift(self, terms, t0, t1, y0, args, explicit)
         # The weight 1/2 - theta: the difference from the trapezoidal rule in the drift.
@@ -177,7 +180,7 @@ class _DriftImplicit:
         # shrinks the step), as for Diffrax's implicit solvers; under a constant step size
         # the failure is reported as before.
         y_error = jtu.tree_map(lambda e: jnp.where(is_okay(result), e, jnp.inf), y_error)
-        return y1, y_error, dict(y0=y0, y1=y1), None, result
+        return y1, y_error, dict(y0=y0, y1=y1), solver_state, result
 
 
 class ImplicitEulerMaruyama(

@@ -31,6 +31,7 @@ from diffrax import (
 )
 from jaxtyping import ArrayLike, Bool, PyTree, Real, Scalar
 
+from .._brownian_carry import BrownianCarry, carried_terms, init_carry
 from .._term import (
     ito_milstein_correction,
     linear_diffusion_prod,
@@ -43,7 +44,8 @@ _RealScalarLike: TypeAlias = Real[ArrayLike, ""]
 _BoolScalarLike: TypeAlias = Bool[ArrayLike, ""]
 _Y: TypeAlias = PyTree[ArrayLike]
 _ErrorEstimate: TypeAlias = PyTree[ArrayLike]
-_SolverState: TypeAlias = None
+# The Brownian tree's value at the end of the last step (`_brownian_carry.py`).
+_SolverState: TypeAlias = BrownianCarry | None
 _Terms: TypeAlias = MultiTerm[tuple[AbstractTerm[Any, _RealScalarLike], AbstractTerm]]
 
 # Above this many elements in the stacked tangents of the diffusion (one copy of
@@ -345,8 +347,10 @@ def _check_not_in_half_solver(solver, frame) -> None:
 
 class SDESolverCommon:
     """What every explicit one-step SDE solver here shares (the Milstein solvers and
-    `ItoTaylor15`): no solver state, no order as an ODE solver, local linear
-    interpolation, and `func` evaluating the drift and the diffusion."""
+    `ItoTaylor15`): as solver state the Brownian tree's value at the end of the last step
+    (so that each step descends the tree once, `_brownian_carry.py`), no order as an ODE
+    solver, local linear interpolation, and `func` evaluating the drift and the
+    diffusion."""
 
     interpolation_cls: ClassVar[Callable[..., LocalLinearInterpolation]] = LocalLinearInterpolation
 
@@ -356,7 +360,7 @@ class SDESolverCommon:
         )
 
     def init(self, terms: _Terms, t0: _RealScalarLike, t1: _RealScalarLike, y0: _Y, args):
-        return None
+        return init_carry(terms, t0)
 
     def func(self, terms: _Terms, t0: _RealScalarLike, y0: _Y, args):
         drift, diffusion = terms.terms
@@ -391,13 +395,14 @@ class MilsteinCommon(SDESolverCommon):
         solver_state: _SolverState,
         made_jump: _BoolScalarLike,
     ) -> tuple[_Y, _ErrorEstimate, dict[str, _Y], _SolverState, RESULTS]:
-        del solver_state, made_jump
+        del made_jump
         if self.fixed_steps_only:
             _check_not_in_half_solver(self, sys._getframe(1))
+        terms, solver_state = carried_terms(terms, t0, t1, solver_state)
         y1, parts = self._y1(terms, t0, t1, y0, args)
         # Under a constant step size nothing reads the estimate and the compiler drops it.
         y_error = _error_estimate(terms, t1, y1, args, parts)
-        return y1, y_error, dict(y0=y0, y1=y1), None, RESULTS.successful
+        return y1, y_error, dict(y0=y0, y1=y1), solver_state, RESULTS.successful
 
 
 class ItoMilstein(MilsteinCommon, AbstractAdaptiveSolver, AbstractItoSolver):

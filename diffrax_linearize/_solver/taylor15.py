@@ -14,8 +14,16 @@ from diffrax import (
     RESULTS,
 )
 
+from .._brownian_carry import carried_terms
 from .._term import milstein_trace_term
-from .milstein import _BoolScalarLike, _RealScalarLike, _Terms, _Y, SDESolverCommon
+from .milstein import (
+    _BoolScalarLike,
+    _RealScalarLike,
+    _SolverState,
+    _Terms,
+    _Y,
+    SDESolverCommon,
+)
 
 
 def _add(*trees):
@@ -140,10 +148,11 @@ class ItoTaylor15(SDESolverCommon, AbstractAdaptiveSolver, AbstractItoSolver):
         t1: _RealScalarLike,
         y0: _Y,
         args,
-        solver_state: None,
+        solver_state: _SolverState,
         made_jump: _BoolScalarLike,
     ):
-        del solver_state, made_jump
+        del made_jump
+        terms, solver_state = carried_terms(terms, t0, t1, solver_state)
         drift, diffusion = terms.terms
         h = drift.contr(t0, t1)
         inc = diffusion.contr(t0, t1, use_levy=True)
@@ -212,4 +221,4 @@ class ItoTaylor15(SDESolverCommon, AbstractAdaptiveSolver, AbstractItoSolver):
             out = jtu.tree_map(leaf, *trees)
         y_struct = jtu.tree_structure(y0)
         y1, y_error = jtu.tree_transpose(y_struct, jtu.tree_structure((0, 0)), out)
-        return y1, y_error, dict(y0=y0, y1=y1), None, RESULTS.successful
+        return y1, y_error, dict(y0=y0, y1=y1), solver_state, RESULTS.successful
