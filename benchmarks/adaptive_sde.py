@@ -137,10 +137,12 @@ iteration over a fixed one, which the breakdown splits: ours at a fixed step; th
 with per-path step times; the controller on a zero estimate (`_WithoutEstimate`); the
 estimate too, every step accepted; adaptive at `TARGET_RTOL`. It also counts the kernels
 XLA's CPU runtime launches per iteration, from the compiled program, which no load disturbs.
-On the Brownian-tree SDEs the tree's two descents per step (to t0 and to t1, 16 levels each
-at the reference's `tol`, a key split and normal samples per level) are 97-99% of an
-iteration (the same SDEs on the grid path, which exposes the solver: 10-70 us against 1.6-2
-ms per iteration of 128 paths), so an adaptive iteration costs what a fixed one does within
+On the Brownian-tree SDEs the tree's descent per step (to t1: our solvers carry its value at
+t0 from the step before; 16 levels at the reference's `tol`, a key split and normal samples
+per level) is 93-99% of an iteration (the same SDEs on the grid path, which exposes the
+solver: 9-49 us against 0.69-0.77 ms per iteration of 128 paths, 2026-12-06; with two
+descents per step, as `evaluate(t0, t1)` does, 1.40-1.46 ms in the run before),
+so an adaptive iteration costs what a fixed one does within
 the noise; and the drift-implicit adaptive step, Newton iterations, estimate and Shampine
 filter included, costs no more per iteration than the fixed one (on the grid path: level
 with every step accepted, less at `TARGET_RTOL`'s smaller steps). There, 2x by time needs
