@@ -119,7 +119,7 @@ def test_increments_are_the_trees(levy):
     tree = _tree(levy)
     terms = dfx.MultiTerm(dfx.ODETerm(_drift), dfx.ControlTerm(_diag, tree))
     ts = np.concatenate(
-        [[-1.0], np.sort(np.asarray(jr.uniform(jr.key(1), (12,), minval=-1, maxval=2)))]
+        [[-1.0], np.sort(np.asarray(jr.uniform(jr.key(1), (5,), minval=-1, maxval=2)))]
     )
 
     def increments(ts, direction):
