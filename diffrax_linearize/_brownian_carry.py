@@ -12,10 +12,11 @@ so the result is that of `evaluate`, bit for bit.
 
 The carried value is used only when it is the tree's value at the start of this step:
 the same place on the tree's `[0, 1]` scale and the same tree (key, interval and
-tolerance). Otherwise (the first step, a step after a jump, the steps of
-`diffrax.HalfSolver`, a solver state from another solve) the step descends to both ends,
-as `evaluate` does. Diffrax keeps the old solver state on a rejected step, so a rejected
-step's retry starts from the carried value too.
+tolerance). Otherwise (the first step, a step after a jump of the controller's `jump_ts`,
+a solver state from another solve) the step descends to both ends, as `evaluate` does.
+Diffrax keeps the old solver state on a rejected step, so a rejected step's retry starts
+from the carried value too; so do the two half steps and the full step of
+`diffrax.HalfSolver`, each from the state it is given.
 
 The diffusion is recognised in three forms: a `diffrax.ControlTerm` over a
 `diffrax.VirtualBrownianTree`, over a `LevyAreaBrownianPath` around one, and either of

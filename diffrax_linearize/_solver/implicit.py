@@ -141,10 +141,10 @@ def _filter_stiff(solver, terms, t0, t1, y1, args, y_error: _Y) -> _Y:
 
 class _DriftImplicit:
     """What the drift-implicit solvers share: the Brownian tree's value at the end of the
-    last step as solver state (`_brownian_carry.py`), local linear
-    interpolation, `func` evaluating the drift and the diffusion, and a `step` that takes
-    the solver's explicit step `_explicit(terms, t0, t1, y0, args)` (and what its error
-    estimate needs) and makes its drift implicit."""
+    last step as solver state (`_brownian_carry.py`), local linear interpolation, `func`
+    evaluating the drift and the diffusion, and a `step` that takes the solver's explicit
+    step `_explicit(terms, t0, t1, y0, args)` (and what its error estimate needs) and makes
+    its drift implicit."""
 
     # Whether the step has the Milstein correction (whose part the error estimate removes).
     _milstein: ClassVar[bool] = True
