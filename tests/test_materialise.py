@@ -1036,8 +1036,10 @@ def test_closed_over_array_not_a_constant():
     for fn in (lambda x: A @ x, lambda x: jnp.tanh(A @ x) + A[0] * x):
         # An embedded f32[512, 512] constant would be over 1 MB of text.
         assert len(_kernel_text(fn, x)) < 20_000
-    # The measurement can fail: a program that does embed `A` is large.
-    assert len(jax.jit(lambda x: A @ x).lower(x).as_text()) > n * n
+    # The measurement can fail: a program that does embed `A` is large. (From jax 0.12.1,
+    # `jax.jit` no longer embeds closed-over arrays either, and has no such program.)
+    if tuple(int(p) for p in jax.__version__.split(".")[:3]) < (0, 12, 1):
+        assert len(jax.jit(lambda x: A @ x).lower(x).as_text()) > n * n
 
 
 # The same program text closing over other constants, at each level of nesting: the kernel
