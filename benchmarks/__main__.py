@@ -25,6 +25,7 @@ BENCHMARKS = {
     "adaptive-sde": "benchmarks.adaptive_sde",
     "linear-crossover": "benchmarks.linear_crossover",
     "ensemble-lanes": "benchmarks.ensemble_lanes",
+    "stiff-device": "benchmarks.stiff_device",
 }
 
 

@@ -18,7 +18,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . \
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 flag=""; [ "${QUICK:-0}" = 1 ] && flag="--quick"
-limit="${BENCH_TIMEOUT:-75}"  # seconds per benchmark: nine of them fit the 15-minute lease
+limit="${BENCH_TIMEOUT:-75}"  # seconds per benchmark: ten of them fit the 15-minute lease
 status=0
 run() {
   echo "=== $*"
@@ -32,6 +32,8 @@ run -m benchmarks.materialise $flag --seed-n 10000
 # Quick sizes (the JSON says "quick": true): the full ones do not fit the lease.
 run -m benchmarks.structure --quick
 run -m benchmarks.stiff --quick
+# Issue 23's device rows: Robertson x N and the Brusselator, float32, beside this CPU.
+run -m benchmarks.stiff_device --quick
 # m = 50 takes too long for the lease; m in {2, 10} covers the acceptance's m = 10.
 run -m benchmarks.work_precision --ms 2 10 $flag
 # One GPU: throughput on one device (the CPU table pins processes to cores; see docs/ensembles.md).

@@ -54,6 +54,9 @@ TITLES = {
     "by ingredient (quick mode)",
     "linear_crossover": "Linear solvers: where dense LU overtakes the structured ones",
     "ensemble_lanes": "Ensembles of adaptive solves: refilling lanes against vmapped batches",
+    "stiff_device": "Stiff ODEs on an accelerator, beside the same machine's CPU",
+    "stiff_device_quick": "Stiff ODEs on an accelerator, beside the same machine's CPU "
+    "(quick mode)",
 }
 
 
@@ -75,6 +78,8 @@ CASE_KEYS = {
     "adaptive_sde_breakdown_quick": ("problem", "path", "variant"),
     "linear_crossover": ("kind", "n"),
     "ensemble_lanes": ("problem", "rtol", "width"),
+    "stiff_device": ("problem", "size", "rtol", "method", "device"),
+    "stiff_device_quick": ("problem", "size", "rtol", "method", "device"),
 }
 
 
@@ -110,8 +115,17 @@ _ADAPTIVE_SDE_BREAKDOWN = (
     "path and, where that is a Brownian tree, on the cheap grid path too."
 )
 
+_STIFF_DEVICE = (
+    "Robertson x N and the 2D Brusselator of stiff_peers in float32 (a TPU compiles no "
+    "float64 Diffrax solve), ours BDF var and Rodas5P on the accelerator and on the same "
+    "machine's CPU, timed interleaved: time (fastest run) and significant correct digits "
+    "against a float64 scipy reference; the table shows rtol 1e-4, the JSON rtol 1e-5 too."
+)
+
 # What each section measures, in a sentence, above its plot.
 WHAT = {
+    "stiff_device": _STIFF_DEVICE,
+    "stiff_device_quick": _STIFF_DEVICE,
     "linear_crossover": "`StructuredLinearSolver`'s structured paths against dense LU, per "
     "operator kind and size: the cost of a factorisation and one solve, and of a solve, inside "
     "a compiled loop (single-threaded CPU, float64); and POLLU end to end.",
@@ -366,6 +380,17 @@ def _stiff_peers(data: dict) -> list[str]:
         ]
     note = data.get("note")
     return out + ([f"{note}", ""] if note else [])
+
+
+def _stiff_device(data: dict) -> list[str]:
+    """The run's own table (rtol 1e-4: each device's fastest run, accelerator over CPU), and
+    on which devices a float64 solve did not compile."""
+    out = [_INTERLEAVED, "", data["markdown_table"], ""]
+    failed = {d: e for d, e in data.get("float64_compile_error", {}).items() if e}
+    if failed:
+        errors = "; ".join(f"{d}: `{e}`" for d, e in failed.items())
+        out += [f"A float64 solve (ours BDF var, Robertson N = 1) did not compile on {errors}.", ""]
+    return out
 
 
 def _equal_accuracy(rows: list[dict]) -> list[str]:
@@ -757,6 +782,8 @@ def _ensemble_lanes(data: dict) -> list[str]:
 
 # Each benchmark's short table (at most eight columns), from one result file.
 SHORT = {
+    "stiff_device": _stiff_device,
+    "stiff_device_quick": _stiff_device,
     "ensemble_lanes": _ensemble_lanes,
     "adaptive_sde": _adaptive_sde,
     "adaptive_sde_quick": _adaptive_sde,
@@ -957,6 +984,39 @@ def _stiff_hires_figures() -> dict[str, str]:
     return {"stiff-hires-digits": text}
 
 
+def _stiff_device_figures() -> dict[str, str]:
+    """`docs/stiff.md`'s accelerator paragraph: ours BDF var at rtol 1e-4 on the accelerator
+    against the same machine's CPU, smallest and largest case of each problem."""
+    paths = [p for p in sorted(RESULTS.glob("stiff_device-*.json")) if "-cpu-" not in p.name]
+    if not paths:
+        return {"stiff-device": "(not measured yet: run `bash benchmarks/tpu.sh` on a TPU)"}
+    data = json.loads(paths[0].read_text())
+    m = data["machine"]
+    rows = [r for r in data["rows"] if r["rtol"] == 1e-4 and r["method"] == "ours BDF var"]
+    by = _by(rows, "problem", "size", "device")
+    parts = []
+    labels = (
+        ("robertson", "{} Robertson system(s)"),
+        ("brusselator_2d", "the {0} x {0} Brusselator"),
+    )
+    for problem, label in labels:
+        sizes = sorted({r["size"] for r in rows if r["problem"] == problem})
+        for size in (sizes[0], sizes[-1]):
+            acc, cpu = by[(problem, size, m["platform"])], by[(problem, size, "cpu")]
+            parts.append(
+                f"{label.format(f'{size:,}')} ({acc['unknowns']:,} unknowns) in "
+                f"{fmt_time(acc['run_min_s'])} against {fmt_time(cpu['run_min_s'])} "
+                f"({fmt_ratio(acc['run_min_s'] / cpu['run_min_s'])})"
+            )
+    text = (
+        f"On one {m['device']} (`benchmarks/results/{paths[0].name}`, {m['date'][:10]}), "
+        f"`dl.BDF(max_order=5, variable_order=True)` at `rtol=1e-4` in float32 solves, "
+        f"against the same machine's {m['cpu_count']}-core CPU (in brackets the accelerator's "
+        f"time over the CPU's): " + "; ".join(parts)
+    )
+    return {"stiff-device": text}
+
+
 def figures() -> dict[str, str]:
     """The generated figures, by name."""
     return (
@@ -964,6 +1024,7 @@ def figures() -> dict[str, str]:
         | _squared_grads_figures()
         | _adaptive_sde_figures()
         | _stiff_hires_figures()
+        | _stiff_device_figures()
     )
 
 
@@ -1212,6 +1273,8 @@ PLOTTERS = {
     "adaptive_sde_quick": "benchmarks.adaptive_sde",
     "linear_crossover": "benchmarks.linear_crossover",
     "ensemble_lanes": "benchmarks.ensemble_lanes",
+    "stiff_device": "benchmarks.stiff_device",
+    "stiff_device_quick": "benchmarks.stiff_device",
     "adaptive_sde_breakdown": "benchmarks.adaptive_sde:plot_breakdown",
     "adaptive_sde_breakdown_quick": "benchmarks.adaptive_sde:plot_breakdown",
 }

@@ -448,11 +448,12 @@ def controller_for(solver, rtol, atol):
     return diffrax.PIDController(rtol=rtol, atol=atol)
 
 
-def _jax_compiled(make_solver, rhs_jnp, y0, t1):
+def _jax_compiled(make_solver, rhs_jnp, y0, t1, dtype=jnp.float64, device=None):
     """The jitted solve of one problem by one of ours or Diffrax's, compiled once for every
     tolerance: `rtol` and `atol` are arguments, so the controllers and root finders get them
     traced (the same steps and the same end values, bit for bit, as compiled constants).
-    Returns `(compiled, compile_s)`."""
+    `dtype` and `device`: the state's (`benchmarks.stiff_device` runs float32 on an
+    accelerator). Returns `(compiled, compile_s)`."""
     solver = make_solver()
 
     def fn(y0, rtol, atol):
@@ -474,16 +475,16 @@ def _jax_compiled(make_solver, rhs_jnp, y0, t1):
             sol.result._value,
         )  # noqa: E501
 
-    y0 = jnp.asarray(y0, jnp.float64)
+    y0 = jax.device_put(jnp.asarray(y0, dtype), device)
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(y0, 1.0, 1.0).compile()
     return compiled, time.perf_counter() - t0
 
 
-def _jax_contender(compiled, compile_s, y0, rtol, atol):
+def _jax_contender(compiled, compile_s, y0, rtol, atol, dtype=jnp.float64, device=None):
     """`(call, finish, info)`: the compiled solve at these tolerances, a function of its
     output giving `(y_end, info)`, and the compile time (shared by every tolerance)."""
-    y0 = jnp.asarray(y0, jnp.float64)
+    y0 = jax.device_put(jnp.asarray(y0, dtype), device)
     rtol, atol = float(rtol), float(atol)
 
     def finish(out):

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 23's device rows (`benchmarks.stiff_device`: Robertson x N and the 2D Brusselator,
+# float32, the TPU beside the same machine's CPU) on a TPU machine, in one prepared command.
+#
+# That machine has Python 3.11 with JAX, numpy and scipy, a package index of its own on its
+# disk (matplotlib), and no network: diffrax, equinox, lineax, optimistix and jaxtyping
+# travel as wheels, fetched here first into .whl-tpu/ (ignored by git: add `/.whl-tpu/` to
+# .git/info/exclude):
+#
+#   bash benchmarks/tpu.sh --fetch     # here, with network
+#   bash benchmarks/tpu.sh             # there (the device tool: carry .whl-tpu)
+#   QUICK=1 bash benchmarks/tpu.sh     # smoke run
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = --fetch ]; then
+  # The versions of constraints.txt, for the TPU machine's Python.
+  pins=$(grep -iE '^(diffrax|equinox|lineax|optimistix|jaxtyping|wadler_lindig|typing_extensions)==' constraints.txt)
+  exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+    --implementation cp --platform any --platform manylinux_2_17_x86_64 -d .whl-tpu $pins
+fi
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+site=/tmp/dl-site
+PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
+  --no-compile --no-cache-dir --upgrade --target "$site" .whl-tpu/*.whl || exit 1
+# matplotlib and what it needs, from the machine's own index (not JAX's numpy: --no-deps).
+PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --no-deps \
+  --index-url file:///opt/pypi/simple --target "$site" matplotlib contourpy cycler fonttools \
+  kiwisolver pyparsing pillow python-dateutil || exit 1
+# After the machine's own JAX (PYTHONPATH names it), and the source tree.
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site:$PWD"
+python3 -c "import jax; print(jax.__version__, jax.devices())"
+flag=""; [ "${QUICK:-0}" = 1 ] && flag="--quick"
+timeout "${BENCH_TIMEOUT:-540}" python3 -m benchmarks.stiff_device $flag
+status=$?
+if [ -n "${OUT:-}" ]; then
+  cp benchmarks/results/stiff_device*-tpu-* benchmarks/results/quick/stiff_device*-tpu-* \
+    "$OUT"/ 2>/dev/null || true
+fi
+exit $status
