@@ -35,6 +35,7 @@ import time
 import jax
 import jax.numpy as jnp
 import matplotlib
+import matplotlib.ticker
 import numpy as np
 import scipy.integrate
 
@@ -202,6 +203,7 @@ def plot(rows, quick=False, out=None):
         ax.set_title(f"{name}, float32, rtol 1e-4")
         ax.set_xlabel("unknowns")
         ax.set_ylabel("time (fastest run) [s]")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
