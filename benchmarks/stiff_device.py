@@ -6,8 +6,9 @@ TPU compiles no float64 Diffrax solve: its compiler rejects the `nextafter` Diff
 to float64 times. The run tries one first and records the error it gets as a row's note.)
 Tolerances rtol 1e-4 and 1e-5 (atol = rtol / 100, as `stiff_peers`), within what float32
 resolves. Not 1e-3: at atol 1e-5 Robertson's middle species (1e-5 and below) is unresolved,
-a concentration turns negative and grows without bound (ours BDF var at N = 1000 in float32:
-253 steps accepted to t = 8.2e9, then rejected to `max_steps`; CVODE's float64 solves of
+a concentration turns negative and grows without bound, in float64 as in float32 (ours BDF
+var at rtol 1e-3 ends at y_1 = -2.1e6 in float64, N = 1 or 1000; in float32 at N = 1000 it
+accepts 253 steps to t = 8.2e9, then rejects to `max_steps`; CVODE's float64 solves of
 `stiff_peers` at rtol 1e-4, N >= 1000, end with negative digits for the same reason). Accuracy
 as there, the significant correct digits (mescd) against a float64
 reference solved by scipy on the host (Radau at rtol 1e-12 for one Robertson system, tiled;
