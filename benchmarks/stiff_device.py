@@ -187,6 +187,13 @@ def summary_columns(devs):
     return cols + [("steps", "steps (acc. + rej.)"), ("scd", "scd")]
 
 
+def derive(data: dict) -> dict:
+    """`data` with its summary and table recomputed from its rows (`report --rederive`)."""
+    summary, devs = _summary(data["rows"])
+    table = markdown_table(summary, summary_columns(devs))
+    return {**data, "summary": summary, "markdown_table": table}
+
+
 def plot(rows, quick=False, out=None):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, name in zip(axes, ("robertson", "brusselator_2d")):
@@ -225,13 +232,13 @@ def run(quick: bool = False) -> list[dict]:
         t0 = time.perf_counter()
         rows += run_case(prob, size, where, quick)
         print(f"{prob} {size}: {time.perf_counter() - t0:.0f} s", flush=True)
-        summary, devs = _summary(rows)
-        table = markdown_table(summary, summary_columns(devs))
-        path = write_results(
-            name, rows, machine=dict(here), quick=quick, devices=list(where),
-            float64_compile_error=probe, tolerances=list(RTOLS[:1] if quick else RTOLS),
-            atol_over_rtol=RATIO, summary=summary, markdown_table=table,
+        record = dict(
+            machine=dict(here), quick=quick, devices=list(where), float64_compile_error=probe,
+            tolerances=list(RTOLS[:1] if quick else RTOLS), atol_over_rtol=RATIO,
         )  # fmt: skip
+        derived = derive({**record, "rows": rows})
+        table = derived["markdown_table"]
+        path = write_results(name, rows, **record, summary=derived["summary"], markdown_table=table)
     print(table)
     print(f"\nResults: {path}\nPlot: {plot(rows, quick)}")
     return rows

@@ -73,6 +73,45 @@ def test_ensemble_figures(tmp_path, monkeypatch):
     assert "not measured yet" in report.figures()["ensemble-summary"]
 
 
+def test_stiff_device_figures(tmp_path, monkeypatch):
+    def row(problem, size, device, run_min_s, rtol=1e-4, method="ours BDF var"):
+        unknowns = 3 * size if problem == "robertson" else 2 * size**2
+        return dict(
+            problem=problem, size=size, unknowns=unknowns, rtol=rtol, method=method,
+            device=device, run_min_s=run_min_s,
+        )  # fmt: skip
+
+    rows = [
+        row("robertson", 1, "tpu", 0.02),
+        row("robertson", 1, "cpu", 0.002),
+        row("robertson", 1, "tpu", 1.0, rtol=1e-5),  # another tolerance: not quoted
+        row("robertson", 1, "tpu", 1.0, method="ours Rodas5P"),  # another method: not quoted
+        row("robertson", 10_000, "tpu", 0.1),
+        row("robertson", 10_000, "cpu", 0.4),
+        row("brusselator_2d", 16, "tpu", 0.006),
+        row("brusselator_2d", 16, "cpu", 0.006),
+        row("brusselator_2d", 64, "tpu", 0.015),
+        row("brusselator_2d", 64, "cpu", 0.045),
+    ]
+    machine = {"platform": "tpu", "device": "TPU v5 lite", "cpu_count": 13, "date": "2026-12-06"}
+    payload = {"benchmark": "stiff_device", "machine": machine, "rows": rows}
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    assert "not measured yet" in report.figures()["stiff-device"]
+    # A CPU-only run (no accelerator) is not the one quoted.
+    (tmp_path / "stiff_device-cpu-cpu.json").write_text(json.dumps(payload))
+    assert "not measured yet" in report.figures()["stiff-device"]
+    (tmp_path / "stiff_device-tpu-tpu-v5-lite.json").write_text(json.dumps(payload))
+    text = report.figures()["stiff-device"]
+    assert text.startswith("On one TPU v5 lite (`benchmarks/results/stiff_device-tpu-")
+    assert "same machine's 13-core CPU" in text
+    # The accelerator's time over the CPU's, smallest and largest size of each problem.
+    assert "1 Robertson system(s) (3 unknowns) in 20.00 ms against 2.00 ms (10x)" in text
+    assert "10,000 Robertson system(s) (30,000 unknowns) in 100.00 ms against 400.00 ms" in text
+    assert "(0.25x)" in text
+    assert "the 16 x 16 Brusselator (512 unknowns) in 6.00 ms against 6.00 ms (1x)" in text
+    assert "the 64 x 64 Brusselator (8,192 unknowns)" in text and "(0.333x)" in text
+
+
 def _same_up_to_rounding(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         # A measurement that failed is recorded as NaN (an unstable fixed step's error).
