@@ -10,6 +10,7 @@
 #   bash benchmarks/tpu.sh --fetch     # here, with network
 #   bash benchmarks/tpu.sh             # there (the device tool: carry .whl-tpu)
 #   QUICK=1 bash benchmarks/tpu.sh     # smoke run
+#   CORE=1 bash benchmarks/tpu.sh      # gpu.sh's core benchmarks instead, quick sizes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --fetch ]; then
@@ -30,10 +31,23 @@ PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:al
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site:$PWD"
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 flag=""; [ "${QUICK:-0}" = 1 ] && flag="--quick"
-timeout "${BENCH_TIMEOUT:-540}" python3 -m benchmarks.stiff_device $flag
-status=$?
+status=0
+if [ -n "${CORE:-}" ]; then
+  # CORE=1: instead, gpu.sh's core benchmarks at their quick sizes (results/quick/, the JSON
+  # says "quick": true), float32 as JAX's default, matrix products at full float32
+  # precision (a TPU's default rounds their inputs to bfloat16: jax.jacfwd's A @ I would
+  # not be A), with the seed report's A @ x at N = 10,000.
+  export JAX_DEFAULT_MATMUL_PRECISION=highest DIFFRAX_LINEARIZE_RESULTS="$PWD/benchmarks/results/quick"
+  export DIFFRAX_LINEARIZE_MACHINE_NOTE="quick sizes, float32, JAX_DEFAULT_MATMUL_PRECISION=highest (\`CORE=1 bash benchmarks/tpu.sh\`)"
+  for args in "step_cost --quick" "materialise --quick --seed-n 10000" \
+      "squared_grads --quick" "adjoint --quick"; do
+    echo "=== $args"
+    timeout "${BENCH_TIMEOUT:-110}" python3 -m benchmarks.$args || { echo "!!! $args"; status=1; }
+  done
+else
+  timeout "${BENCH_TIMEOUT:-540}" python3 -m benchmarks.stiff_device $flag || status=1
+fi
 if [ -n "${OUT:-}" ]; then
-  cp benchmarks/results/stiff_device*-tpu-* benchmarks/results/quick/stiff_device*-tpu-* \
-    "$OUT"/ 2>/dev/null || true
+  cp benchmarks/results/*-tpu-* benchmarks/results/quick/*-tpu-* "$OUT"/ 2>/dev/null || true
 fi
 exit $status
