@@ -9,13 +9,14 @@ Problems (float32, 2-core CPU in the issue's acceptance):
   first call of `jax.jit(jax.jacfwd(f))` (compilation included), and whether our result is
   `A` bit for bit.
 - with `--seed-n 10000` (the GPU run): the seed report's case, `A @ x` at N = 10,000,
-  compiled and first calls.
+  compiled and first calls, and how far each compiled result is from `A`; `--seed-only`
+  runs that case alone (`materialise_seed-*.json`, for a device whose time is short).
 - Equinox layers (`Conv1d`, `Conv2d`, `ConvTranspose1d`, `Linear`, a grouped `Conv1d`,
   a strided `ConvTranspose1d`), the Jacobian with respect to the input and to the
   parameters: ours against `jax.jacfwd`, where structure
   may not pay (ours must not be slower beyond timing noise).
 
-    python -m benchmarks.materialise [--quick] [--seed-n N]
+    python -m benchmarks.materialise [--quick] [--seed-n N [--seed-only]]
 """
 
 import argparse
@@ -216,7 +217,35 @@ def _seed_rows(n):
     rows = [
         {"problem": "A @ x (seed size)", "N": n, "method": name, **t} for name, t in timings.items()
     ]
+    # Whether each returns A (outside the timings): at a TPU's default matmul precision,
+    # `jax.jacfwd`'s A @ I rounds the entries of A to bfloat16.
+    scale = float(jnp.max(jnp.abs(A)))
+    for row in rows:
+        out = jax.jit(methods[row["method"]])(x, A)
+        row["max_error_over_max_A"] = float(jnp.max(jnp.abs(out - A))) / scale
     return rows + _first_call(n)
+
+
+def run_seed(n: int) -> list[dict]:
+    """The seed report's case alone (`--seed-only`), for a device whose time is short:
+    written as `materialise_seed-<platform>-<device>.json`, with the matmul precision."""
+    rows = _seed_rows(n)
+    columns = [
+        ("problem", "problem"), ("N", "N"), ("method", "method"),
+        ("run", "run (fastest, +median spread)"), ("compile_s", "compile"),
+        ("first_s", "first call (fastest)"),
+        ("max_error_over_max_A", "max abs(J - A) / max abs(A)"),
+    ]  # fmt: skip
+    print(markdown_table([dict(r, run=fmt_spread(r)) for r in rows], columns))
+    precision = jax.config.jax_default_matmul_precision
+    path = write_results(
+        "materialise_seed", rows, matmul_precision=precision or "default",
+        note="The seed report's case (JAX #9215) alone: `run_min_s` the fastest of the "
+        "interleaved rounds after compiling, `first_s` the fastest first call at fresh sizes; "
+        "`max_error_over_max_A` how far the compiled result is from A.",
+    )  # fmt: skip
+    print(f"\nResults: {path}")
+    return rows
 
 
 def run(quick: bool = False, seed_n: int | None = None) -> list[dict]:
@@ -354,5 +383,13 @@ if __name__ == "__main__":
     parser.add_argument(
         "--seed-n", type=int, default=None, help="also the seed report's A @ x at this N (GPU)"
     )
+    parser.add_argument(
+        "--seed-only", action="store_true", help="only the seed report's case (with --seed-n)"
+    )
     ns = parser.parse_args()
-    run(quick=ns.quick, seed_n=ns.seed_n)
+    if ns.seed_only:
+        if ns.seed_n is None:
+            parser.error("--seed-only needs --seed-n N")
+        run_seed(ns.seed_n)
+    else:
+        run(quick=ns.quick, seed_n=ns.seed_n)

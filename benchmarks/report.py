@@ -54,6 +54,7 @@ TITLES = {
     "by ingredient (quick mode)",
     "linear_crossover": "Linear solvers: where dense LU overtakes the structured ones",
     "ensemble_lanes": "Ensembles of adaptive solves: refilling lanes against vmapped batches",
+    "materialise_seed": "The seed report's case alone: the Jacobian of A @ x at N = 10,000",
     "stiff_device": "Stiff ODEs on an accelerator, beside the same machine's CPU",
     "stiff_device_quick": "Stiff ODEs on an accelerator, beside the same machine's CPU "
     "(quick mode)",
@@ -78,6 +79,7 @@ CASE_KEYS = {
     "adaptive_sde_breakdown_quick": ("problem", "path", "variant"),
     "linear_crossover": ("kind", "n"),
     "ensemble_lanes": ("problem", "rtol", "width"),
+    "materialise_seed": ("problem", "N", "method"),
     "stiff_device": ("problem", "size", "rtol", "method", "device"),
     "stiff_device_quick": ("problem", "size", "rtol", "method", "device"),
 }
@@ -124,6 +126,10 @@ _STIFF_DEVICE = (
 
 # What each section measures, in a sentence, above its plot.
 WHAT = {
+    "materialise_seed": "JAX #9215's `jax.jacfwd(lambda x: A @ x)` at N = 10,000 against "
+    "`materialise`, compiled and first calls, and how far each result is from A "
+    "(`python -m benchmarks.materialise --seed-only --seed-n 10000`, for a device whose time "
+    "is short).",
     "stiff_device": _STIFF_DEVICE,
     "stiff_device_quick": _STIFF_DEVICE,
     "linear_crossover": "`StructuredLinearSolver`'s structured paths against dense LU, per "
@@ -485,6 +491,19 @@ def _materialise(data: dict) -> list[str]:
     ]
 
 
+def _materialise_seed(data: dict) -> list[str]:
+    """`_materialise`'s table, and how far each compiled result is from A at the run's
+    matmul precision."""
+    errors = ", ".join(
+        f"{r['method']} {r['max_error_over_max_A']:.2g}"
+        for r in data["rows"]
+        if "max_error_over_max_A" in r
+    )
+    precision = data.get("matmul_precision", "default")
+    line = f"max abs(J - A) / max abs(A), matmul precision {precision}: {errors}."
+    return _materialise(data) + [line, ""]
+
+
 def _acceptance(ratios: dict) -> list[str]:
     """The materialise benchmark's acceptance ratios, `"what (want <= x)": value`."""
     rows = []
@@ -782,6 +801,7 @@ def _ensemble_lanes(data: dict) -> list[str]:
 
 # Each benchmark's short table (at most eight columns), from one result file.
 SHORT = {
+    "materialise_seed": _materialise_seed,
     "stiff_device": _stiff_device,
     "stiff_device_quick": _stiff_device,
     "ensemble_lanes": _ensemble_lanes,
@@ -1017,6 +1037,32 @@ def _stiff_device_figures() -> dict[str, str]:
     return {"stiff-device": text}
 
 
+def _materialise_seed_figures() -> dict[str, str]:
+    """The README's sentence on the seed report's case on an accelerator (JAX #9215's
+    `A @ x` at N = 10,000): times, and how far `jax.jacfwd`'s result is from A."""
+    paths = [p for p in sorted(RESULTS.glob("materialise_seed-*.json")) if "-cpu-" not in p.name]
+    if not paths:
+        return {"materialise-seed-device": "(not measured on an accelerator yet)"}
+    data = json.loads(paths[0].read_text())
+    m, rows = data["machine"], data["rows"]
+    by = _by(rows, "problem", "method")
+    jacfwd, ours = by[("A @ x (seed size)", "jax.jacfwd")], by[("A @ x (seed size)", "ours")]
+    precision = data.get("matmul_precision", "default")
+    exact = lambda r: (  # noqa: E731
+        "`A` exactly"
+        if r["max_error_over_max_A"] == 0
+        else f"`A` with entries off by up to {r['max_error_over_max_A']:.1e} times its largest"
+    )
+    text = (
+        f"On one {m['device']} ({m['date'][:10]}, `benchmarks/results/{paths[0].name}`), at "
+        f"N = {jacfwd['N']:,} and the {precision} matmul precision, the compiled "
+        f"`jax.jacfwd(lambda x: A @ x)` takes {fmt_time(_fastest(jacfwd))} and returns "
+        f"{exact(jacfwd)}; `materialise` takes {fmt_time(_fastest(ours))} and returns "
+        f"{exact(ours)}"
+    )
+    return {"materialise-seed-device": text}
+
+
 def figures() -> dict[str, str]:
     """The generated figures, by name."""
     return (
@@ -1025,6 +1071,7 @@ def figures() -> dict[str, str]:
         | _adaptive_sde_figures()
         | _stiff_hires_figures()
         | _stiff_device_figures()
+        | _materialise_seed_figures()
     )
 
 

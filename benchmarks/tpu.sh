@@ -11,6 +11,7 @@
 #   bash benchmarks/tpu.sh             # there (the device tool: carry .whl-tpu)
 #   QUICK=1 bash benchmarks/tpu.sh     # smoke run
 #   CORE=1 bash benchmarks/tpu.sh      # gpu.sh's core benchmarks instead, quick sizes
+#   SEED=1 bash benchmarks/tpu.sh      # only jax.jacfwd(A @ x) at N = 10,000 against ours
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --fetch ]; then
@@ -32,7 +33,12 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site:$PWD"
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 flag=""; [ "${QUICK:-0}" = 1 ] && flag="--quick"
 status=0
-if [ -n "${CORE:-}" ]; then
+if [ -n "${SEED:-}" ]; then
+  # SEED=1: only the seed report's case, jax.jacfwd(A @ x) at N = 10,000 against ours, at
+  # the TPU's default matmul precision (what a user gets).
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m benchmarks.materialise --seed-only --seed-n 10000 \
+    || status=1
+elif [ -n "${CORE:-}" ]; then
   # CORE=1: instead, gpu.sh's core benchmarks at their quick sizes (results/quick/, the JSON
   # says "quick": true), float32 as JAX's default, matrix products at full float32
   # precision (a TPU's default rounds their inputs to bfloat16: jax.jacfwd's A @ I would

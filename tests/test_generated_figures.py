@@ -112,6 +112,35 @@ def test_stiff_device_figures(tmp_path, monkeypatch):
     assert "the 64 x 64 Brusselator (8,192 unknowns)" in text and "(0.333x)" in text
 
 
+def test_materialise_seed_figures(tmp_path, monkeypatch):
+    def row(method, run_min_s, error):
+        return dict(
+            problem="A @ x (seed size)", N=10_000, method=method, run_min_s=run_min_s,
+            max_error_over_max_A=error,
+        )  # fmt: skip
+
+    first = dict(problem="first call A @ x", N=10_000, method="ours (eager)", first_s=0.6)
+    rows = [row("jax.jacfwd", 0.012, 2.1e-3), row("ours", 0.002, 0.0), first]
+    machine = {"platform": "tpu", "device": "TPU v5 lite", "date": "2026-12-06T09:00:00"}
+    payload = {"benchmark": "materialise_seed", "machine": machine, "rows": rows}
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    assert "not measured" in report.figures()["materialise-seed-device"]
+    (tmp_path / "materialise_seed-cpu-cpu.json").write_text(json.dumps(payload))
+    assert "not measured" in report.figures()["materialise-seed-device"]
+    (tmp_path / "materialise_seed-tpu-tpu-v5-lite.json").write_text(json.dumps(payload))
+    text = report.figures()["materialise-seed-device"]
+    assert text.startswith("On one TPU v5 lite (2026-12-06, `benchmarks/results/materialise_")
+    assert "N = 10,000 and the default matmul precision" in text
+    assert "takes 12.00 ms and returns `A` with entries off by up to 2.1e-03 times" in text
+    assert text.endswith("`materialise` takes 2.00 ms and returns `A` exactly")
+    payload["matmul_precision"] = "highest"
+    rows[0]["max_error_over_max_A"] = 0.0
+    (tmp_path / "materialise_seed-tpu-tpu-v5-lite.json").write_text(json.dumps(payload))
+    text = report.figures()["materialise-seed-device"]
+    assert "the highest matmul precision" in text
+    assert "takes 12.00 ms and returns `A` exactly;" in text
+
+
 def _same_up_to_rounding(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         # A measurement that failed is recorded as NaN (an unstable fixed step's error).
