@@ -3,7 +3,8 @@ TPU), beside the CPU of the same machine, in one run: issue 23's device rows.
 
 Float32, JAX's default, on every device: the state, the tolerances and Diffrax's times. (A
 TPU compiles no float64 Diffrax solve: its compiler rejects the `nextafter` Diffrax applies
-to float64 times. The run tries one first and records the error it gets as a row's note.)
+to float64 times. The run tries one first and records the error, per device, as
+`float64_compile_error` in its JSON.)
 Tolerances rtol 1e-4 and 1e-5 (atol = rtol / 100, as `stiff_peers`), within what float32
 resolves. Not 1e-3: at atol 1e-5 Robertson's middle species (1e-5 and below) is unresolved,
 a concentration turns negative and grows without bound, in float64 as in float32 (ours BDF
@@ -18,8 +19,9 @@ Contenders: ours `dl.BDF(max_order=5, variable_order=True)` ("ours BDF var") and
 `dl.Rodas5P()`, with the controllers of `stiff_peers.controller_for`, each compiled once per
 case and device (the tolerances are arguments) and timed interleaved, device and CPU of one
 case and tolerance in one round-robin (`time_round_robin`: three rounds and at least 0.5 s
-of timed solves each). The peers (CVODE, diffsol, casadi) are CPU libraries in float64:
-their times are `stiff_peers`'s, read beside these in the docs.
+of timed solves each). The peers (CVODE, diffsol, casadi) are CPU libraries, run in float64
+by `stiff_peers` on the project's 2-core machine: a comparison with them crosses machines
+and precisions.
 
     python -m benchmarks.stiff_device [--quick]      # on a machine with an accelerator
     bash benchmarks/gpu.sh                           # runs it with the rest there
