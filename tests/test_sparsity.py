@@ -625,6 +625,7 @@ def test_idiom(name, mode):
         assert_tree_allclose(out, jacfwd_compiled(fn, x), **_TOL[dtype])
 
 
+@pytest.mark.slow  # a second pass over every idiom (17 s on two cores): the slow tier
 @pytest.mark.parametrize("name", _IDIOM_NAMES)
 def test_idiom_with_patterns_kept(name, monkeypatch):
     """The same, with patterns never traded for dense storage: every rule's pattern path
@@ -820,7 +821,12 @@ def _operators():
     list(_operators()),
     ids=lambda op: f"{type(op).__name__}_{op.in_size()}",
 )
-@pytest.mark.parametrize("dense_below", [0, None], ids=["structured", "default"])
+@pytest.mark.parametrize(
+    "dense_below",
+    # The default threshold (small operators made dense) is the second case: slow tier.
+    [0, pytest.param(None, marks=pytest.mark.slow)],
+    ids=["structured", "default"],
+)
 def test_operator_against_its_matrix(op, dense_below):
     A = np.asarray(op.as_matrix())
     v = jnp.asarray(np.random.RandomState(4).randn(*op.in_structure().shape))
