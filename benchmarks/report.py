@@ -1004,13 +1004,20 @@ def _stiff_hires_figures() -> dict[str, str]:
     return {"stiff-hires-digits": text}
 
 
+def _accelerator_result(name: str):
+    """The first recorded result of benchmark `name` from an accelerator (not a CPU-only
+    run), or `None`."""
+    paths = [p for p in sorted(RESULTS.glob(f"{name}-*.json")) if "-cpu-" not in p.name]
+    return paths[0] if paths else None
+
+
 def _stiff_device_figures() -> dict[str, str]:
     """`docs/stiff.md`'s accelerator paragraph: ours BDF var at rtol 1e-4 on the accelerator
     against the same machine's CPU, smallest and largest case of each problem."""
-    paths = [p for p in sorted(RESULTS.glob("stiff_device-*.json")) if "-cpu-" not in p.name]
-    if not paths:
+    path = _accelerator_result("stiff_device")
+    if path is None:
         return {"stiff-device": "(not measured yet: run `bash benchmarks/tpu.sh` on a TPU)"}
-    data = json.loads(paths[0].read_text())
+    data = json.loads(path.read_text())
     m = data["machine"]
     rows = [r for r in data["rows"] if r["rtol"] == 1e-4 and r["method"] == "ours BDF var"]
     by = _by(rows, "problem", "size", "device")
@@ -1029,7 +1036,7 @@ def _stiff_device_figures() -> dict[str, str]:
                 f"({fmt_ratio(acc['run_min_s'] / cpu['run_min_s'])})"
             )
     text = (
-        f"On one {m['device']} (`benchmarks/results/{paths[0].name}`, {m['date'][:10]}), "
+        f"On one {m['device']} (`benchmarks/results/{path.name}`, {m['date'][:10]}), "
         f"`dl.BDF(max_order=5, variable_order=True)` at `rtol=1e-4` in float32 solves, "
         f"against the same machine's {m['cpu_count']}-core CPU (in brackets the accelerator's "
         f"time over the CPU's): " + "; ".join(parts)
@@ -1040,10 +1047,10 @@ def _stiff_device_figures() -> dict[str, str]:
 def _materialise_seed_figures() -> dict[str, str]:
     """The README's sentence on the seed report's case on an accelerator (JAX #9215's
     `A @ x` at N = 10,000): times, and how far `jax.jacfwd`'s result is from A."""
-    paths = [p for p in sorted(RESULTS.glob("materialise_seed-*.json")) if "-cpu-" not in p.name]
-    if not paths:
+    path = _accelerator_result("materialise_seed")
+    if path is None:
         return {"materialise-seed-device": "(not measured on an accelerator yet)"}
-    data = json.loads(paths[0].read_text())
+    data = json.loads(path.read_text())
     m, rows = data["machine"], data["rows"]
     by = _by(rows, "problem", "method")
     jacfwd, ours = by[("A @ x (seed size)", "jax.jacfwd")], by[("A @ x (seed size)", "ours")]
@@ -1054,7 +1061,7 @@ def _materialise_seed_figures() -> dict[str, str]:
         else f"`A` with entries off by up to {r['max_error_over_max_A']:.1e} times its largest"
     )
     text = (
-        f"On one {m['device']} ({m['date'][:10]}, `benchmarks/results/{paths[0].name}`), at "
+        f"On one {m['device']} ({m['date'][:10]}, `benchmarks/results/{path.name}`), at "
         f"N = {jacfwd['N']:,} and the {precision} matmul precision, the compiled "
         f"`jax.jacfwd(lambda x: A @ x)` takes {fmt_time(_fastest(jacfwd))} and returns "
         f"{exact(jacfwd)}; `materialise` takes {fmt_time(_fastest(ours))} and returns "

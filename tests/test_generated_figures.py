@@ -73,6 +73,18 @@ def test_ensemble_figures(tmp_path, monkeypatch):
     assert "not measured yet" in report.figures()["ensemble-summary"]
 
 
+def _quoted_from_the_accelerator(tmp_path, monkeypatch, payload, figure) -> str:
+    """The generated `figure` from `payload` recorded as a TPU's result, after checking
+    that neither no result nor the same result recorded as a CPU-only run is quoted."""
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    name = payload["benchmark"]
+    assert "not measured" in report.figures()[figure]
+    (tmp_path / f"{name}-cpu-cpu.json").write_text(json.dumps(payload))
+    assert "not measured" in report.figures()[figure]
+    (tmp_path / f"{name}-tpu-tpu-v5-lite.json").write_text(json.dumps(payload))
+    return report.figures()[figure]
+
+
 def test_stiff_device_figures(tmp_path, monkeypatch):
     def row(problem, size, device, run_min_s, rtol=1e-4, method="ours BDF var"):
         unknowns = 3 * size if problem == "robertson" else 2 * size**2
@@ -95,13 +107,7 @@ def test_stiff_device_figures(tmp_path, monkeypatch):
     ]
     machine = {"platform": "tpu", "device": "TPU v5 lite", "cpu_count": 13, "date": "2026-12-06"}
     payload = {"benchmark": "stiff_device", "machine": machine, "rows": rows}
-    monkeypatch.setattr(report, "RESULTS", tmp_path)
-    assert "not measured yet" in report.figures()["stiff-device"]
-    # A CPU-only run (no accelerator) is not the one quoted.
-    (tmp_path / "stiff_device-cpu-cpu.json").write_text(json.dumps(payload))
-    assert "not measured yet" in report.figures()["stiff-device"]
-    (tmp_path / "stiff_device-tpu-tpu-v5-lite.json").write_text(json.dumps(payload))
-    text = report.figures()["stiff-device"]
+    text = _quoted_from_the_accelerator(tmp_path, monkeypatch, payload, "stiff-device")
     assert text.startswith("On one TPU v5 lite (`benchmarks/results/stiff_device-tpu-")
     assert "same machine's 13-core CPU" in text
     # The accelerator's time over the CPU's, smallest and largest size of each problem.
@@ -123,12 +129,7 @@ def test_materialise_seed_figures(tmp_path, monkeypatch):
     rows = [row("jax.jacfwd", 0.012, 2.1e-3), row("ours", 0.002, 0.0), first]
     machine = {"platform": "tpu", "device": "TPU v5 lite", "date": "2026-12-06T09:00:00"}
     payload = {"benchmark": "materialise_seed", "machine": machine, "rows": rows}
-    monkeypatch.setattr(report, "RESULTS", tmp_path)
-    assert "not measured" in report.figures()["materialise-seed-device"]
-    (tmp_path / "materialise_seed-cpu-cpu.json").write_text(json.dumps(payload))
-    assert "not measured" in report.figures()["materialise-seed-device"]
-    (tmp_path / "materialise_seed-tpu-tpu-v5-lite.json").write_text(json.dumps(payload))
-    text = report.figures()["materialise-seed-device"]
+    text = _quoted_from_the_accelerator(tmp_path, monkeypatch, payload, "materialise-seed-device")
     assert text.startswith("On one TPU v5 lite (2026-12-06, `benchmarks/results/materialise_")
     assert "N = 10,000 and the default matmul precision" in text
     assert "takes 12.00 ms and returns `A` with entries off by up to 2.1e-03 times" in text
