@@ -244,8 +244,44 @@ def run_seed(n: int) -> list[dict]:
         "interleaved rounds after compiling, `first_s` the fastest first call at fresh sizes; "
         "`max_error_over_max_A` how far the compiled result is from A.",
     )  # fmt: skip
-    print(f"\nResults: {path}")
+    print(f"\nResults: {path}\nPlot: {plot_seed(rows)}")
     return rows
+
+
+def plot_seed(rows, out=None):
+    """The seed case's times: compiled (fastest round) and first call, ours and
+    `jax.jacfwd`, each bar labelled with how far its compiled result is from A."""
+    n = rows[0]["N"]
+    compiled = {r["method"]: r for r in rows if r["problem"] == "A @ x (seed size)"}
+    first = {r["method"]: r for r in rows if r["problem"] == "first call A @ x"}
+    pairs = [
+        ("compiled", compiled["jax.jacfwd"]["run_min_s"], compiled["ours"]["run_min_s"]),
+        (
+            "first call",
+            first["jax.jit(jax.jacfwd) first call"]["first_s"],
+            first["ours (eager)"]["first_s"],
+        ),
+    ]
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for i, (what, theirs, ours) in enumerate(pairs):
+        ax.bar(i - 0.2, theirs, 0.4, color="C0", label="jax.jacfwd" if i == 0 else None)
+        ax.bar(i + 0.2, ours, 0.4, color="C1", label="ours" if i == 0 else None)
+    for name, x, color in (("jax.jacfwd", -0.2, "C0"), ("ours", 0.2, "C1")):
+        error = compiled[name].get("max_error_over_max_A")
+        if error is not None:
+            label = "= A" if error == 0 else f"off A by {error:.1e}"
+            ax.annotate(label, (x, compiled[name]["run_min_s"]), ha="center", va="bottom",
+                        fontsize=8, color=color)  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(pairs)), [what for what, *_ in pairs])
+    ax.set_ylabel("seconds (fastest)")
+    ax.set_title(f"Jacobian of A @ x, N = {n:,}, float32")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out or plot_path("materialise_seed")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def run(quick: bool = False, seed_n: int | None = None) -> list[dict]:

@@ -1327,6 +1327,7 @@ PLOTTERS = {
     "adaptive_sde_quick": "benchmarks.adaptive_sde",
     "linear_crossover": "benchmarks.linear_crossover",
     "ensemble_lanes": "benchmarks.ensemble_lanes",
+    "materialise_seed": "benchmarks.materialise:plot_seed",
     "stiff_device": "benchmarks.stiff_device",
     "stiff_device_quick": "benchmarks.stiff_device",
     "adaptive_sde_breakdown": "benchmarks.adaptive_sde:plot_breakdown",
