@@ -42,6 +42,7 @@ from benchmarks._common import (
     plot_path,
     summarise_times,
     time_contenders,
+    time_contenders_output,
     write_results,
 )
 
@@ -209,33 +210,40 @@ def _seed_rows(n):
     A = _matrix(n, 5)
     x = jnp.ones((n,), jnp.float32)
     methods = _linear_methods()
-    timings = time_contenders(
+    outputs, timings = time_contenders_output(
         {name: (methods[name], (x, A)) for name in ("jax.jacfwd", "ours")},
         repeats=3,
         max_time=60.0,
     )
-    rows = [
-        {"problem": "A @ x (seed size)", "N": n, "method": name, **t} for name, t in timings.items()
-    ]
-    # Whether each returns A (outside the timings): at a TPU's default matmul precision,
+    # Whether each timed program returns A: at a TPU's default matmul precision,
     # `jax.jacfwd`'s A @ I rounds the entries of A to bfloat16.
     scale = float(jnp.max(jnp.abs(A)))
-    for row in rows:
-        out = jax.jit(methods[row["method"]])(x, A)
-        row["max_error_over_max_A"] = float(jnp.max(jnp.abs(out - A))) / scale
+    rows = [
+        {
+            "problem": "A @ x (seed size)", "N": n, "method": name, **t,
+            "max_error_over_max_A": float(jnp.max(jnp.abs(outputs[name] - A))) / scale,
+        }
+        for name, t in timings.items()
+    ]  # fmt: skip
     return rows + _first_call(n)
+
+
+# The printed table's columns, each run's own last.
+_COLUMNS = [
+    ("problem", "problem"),
+    ("N", "N"),
+    ("method", "method"),
+    ("run", "run (fastest, +median spread)"),
+    ("compile_s", "compile"),
+    ("first_s", "first call (fastest)"),
+]
 
 
 def run_seed(n: int) -> list[dict]:
     """The seed report's case alone (`--seed-only`), for a device whose time is short:
     written as `materialise_seed-<platform>-<device>.json`, with the matmul precision."""
     rows = _seed_rows(n)
-    columns = [
-        ("problem", "problem"), ("N", "N"), ("method", "method"),
-        ("run", "run (fastest, +median spread)"), ("compile_s", "compile"),
-        ("first_s", "first call (fastest)"),
-        ("max_error_over_max_A", "max abs(J - A) / max abs(A)"),
-    ]  # fmt: skip
+    columns = [*_COLUMNS, ("max_error_over_max_A", "max abs(J - A) / max abs(A)")]
     print(markdown_table([dict(r, run=fmt_spread(r)) for r in rows], columns))
     precision = jax.config.jax_default_matmul_precision
     path = write_results(
@@ -308,15 +316,7 @@ def run(quick: bool = False, seed_n: int | None = None) -> list[dict]:
     if seed_n is not None:
         rows += _seed_rows(seed_n)
 
-    columns = [
-        ("problem", "problem"),
-        ("N", "N"),
-        ("method", "method"),
-        ("run", "run (fastest, +median spread)"),
-        ("compile_s", "compile"),
-        ("first_s", "first call (fastest)"),
-        ("bitwise_equal", "== A bit for bit"),
-    ]
+    columns = [*_COLUMNS, ("bitwise_equal", "== A bit for bit")]
     print(markdown_table([dict(r, run=fmt_spread(r)) for r in rows], columns))
     ratios = _ratios(rows)
     print()
