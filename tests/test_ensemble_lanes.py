@@ -10,6 +10,7 @@ import jax.random as jr
 import lineax as lx
 import numpy as np
 import pytest
+from conftest import BELOW_DEFAULT_OPT
 from helpers import assert_equal_to_rounding
 
 
@@ -125,6 +126,8 @@ def _reference(terms, solver, controller, dt0, saveat, keys, rates, t0=0.0, t1=T
 def _check_paths(out, ref, exact=True):
     ts, ys, stats, result = ref
     paths = out.paths
+    # At -O0 (`make test`) the two programs round alike: every path is checked bit for bit.
+    exact = exact or BELOW_DEFAULT_OPT
     if not exact:
         # Our adaptive Milstein paths since the Brownian carry (`_brownian_carry.py`): the
         # tree's descent is compiled inside each program's step, and at XLA's default level
@@ -210,7 +213,7 @@ def test_lanes_equal_diffeqsolve_per_path(case, lanes):
     steps = np.asarray(ref[2]["num_steps"])
     # Paths of very different lengths, or the refilling would not be exercised.
     assert steps.max() >= 4 * steps.min(), steps
-    exact = not case.startswith("ItoMilstein")
+    exact = BELOW_DEFAULT_OPT or not case.startswith("ItoMilstein")
     _check_paths(out, ref, exact=exact)
     # The reductions are those of the lanes' own paths.
     ys = np.asarray(ref[1] if exact else out.paths.ys)
