@@ -626,6 +626,40 @@ def as_deltas(b: Struct) -> Struct:
 # ---- conversions ----------------------------------------------------------------------------
 
 
+def _rows_by_scatter(val, cols, live, size: int):
+    """`out[r, cols[r, s]] += val[r, s]` over the live slots `s` of each row `r`, for the
+    traced `val` of shape `(rows, S, *rest)` and the static `cols` and `live` (`None`: all
+    live) of shape `(rows, S)`: one scatter-add, the cheapest way on a CPU or a GPU."""
+    n_rows, S = cols.shape
+    rows = np.broadcast_to(np.arange(n_rows)[:, None], (n_rows, S))
+    if live is None:
+        rows, cols = rows.reshape(-1), cols.reshape(-1)
+        val = val.reshape((n_rows * S,) + val.shape[2:])
+    else:
+        rows, cols, val = rows[live], cols[live], val[np.nonzero(live)]
+    return jnp.zeros((n_rows, size) + val.shape[1:], val.dtype).at[rows, cols].add(val)
+
+
+def _rows_by_selects(val, cols, live, size: int):
+    """As `_rows_by_scatter`, as a sum over the slots of selects: `out[r, t]` is the sum
+    of `val[r, s]` over the live slots with `cols[r, s] == t`, a comparison with an iota
+    that XLA fuses with the sum into one pass. `S` times the work of writing `out`, and no
+    scatter, which a TPU runs at about 16 ns per entry: there (v5e, 2026-12-06)
+    `materialise` of `eqx.nn.Conv2d(3, 8, 3, padding=1)` on a 3 x 16 x 16 input (27
+    slots, 2048 x 768) takes 0.18 ms instead of 0.88, of a 5 x 5 one with 8 channels (200
+    slots, 2048 x 2048) 1.3 ms instead of 6.9. Exact, as the scatter: each entry is its
+    slots' values added to zeros (a value off its column, even a NaN, is selected away,
+    not multiplied by 0)."""
+    n_rows, S = cols.shape
+    rest = val.shape[2:]
+    dead = np.zeros((n_rows, S), bool) if live is None else ~live
+    cols = jnp.asarray(np.where(dead, -1, cols).astype(np.int32))
+    target = jax.lax.broadcasted_iota(jnp.int32, (n_rows, S, size), 2)
+    hit = (cols[:, :, None] == target).reshape((n_rows, S, size) + (1,) * len(rest))
+    picked = jnp.where(hit, val[:, :, None], jnp.zeros((), val.dtype))
+    return jnp.sum(picked, axis=1)
+
+
 def _ell_to_plain(b: Struct) -> Struct:
     b = b.canonical()
     ell = b.ell
@@ -641,20 +675,19 @@ def _ell_to_plain(b: Struct) -> Struct:
     S = ell.S
     val = val.reshape((n_rows, S) + rest_shape)
     cols = np.moveaxis(ell.tmap, 0, -1).reshape(n_rows, S)
-    rows = np.broadcast_to(np.arange(n_rows)[:, None], (n_rows, S))
-    if ell.mask is not None:
-        live = np.moveaxis(ell.mask, 0, -1).reshape(n_rows, S)
-        rows, cols = rows[live], cols[live]
-        val = val[live] if is_known(val) else val[np.nonzero(live)]
-    else:
-        rows, cols = rows.reshape(-1), cols.reshape(-1)
-        val = val.reshape((n_rows * S,) + rest_shape)
+    live = None if ell.mask is None else np.moveaxis(ell.mask, 0, -1).reshape(n_rows, S)
     shape = (n_rows, n_group) + rest_shape
     if is_known(val):
         dense = np.zeros(shape, val.dtype)
-        np.add.at(dense, (rows, cols), val)
+        rows = np.broadcast_to(np.arange(n_rows)[:, None], (n_rows, S))
+        keep = np.ones((n_rows, S), bool) if live is None else live
+        np.add.at(dense, (rows[keep], cols[keep]), val[keep])
     else:
-        dense = jnp.zeros(shape, val.dtype).at[rows, cols].add(val)
+        dense = jax.lax.platform_dependent(
+            val,
+            tpu=lambda v: _rows_by_selects(v, cols, live, n_group),
+            default=lambda v: _rows_by_scatter(v, cols, live, n_group),
+        )
     dense = dense.reshape(b.out_shape + gshape + rest_shape)
     group_labels = [b.in_labels[l] for l in ell.in_axes]
     val_labels = list(b.out_labels) + group_labels + rest

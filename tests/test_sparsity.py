@@ -1226,6 +1226,32 @@ def test_gather_sum_as_scatter_add(size):
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("rest", [(), (3,)])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("assemble", ["_rows_by_scatter", "_rows_by_selects"])
+def test_row_assembly_as_add_at(assemble, masked, rest):
+    """Both ways a row-compressed block is made dense (the scatter of CPUs and GPUs, the
+    selects of TPUs, chosen by `jax.lax.platform_dependent`, so that only one of them runs
+    on this machine in `materialise`) are `np.add.at` over the live slots: repeated columns
+    summed, dead slots' values, even NaNs, left out, over trailing axes too, jitted."""
+    rng = np.random.RandomState(len(rest) + 2 * masked)
+    n_rows, S, size = 9, 5, 11
+    cols = rng.randint(0, size, (n_rows, S))
+    live = rng.rand(n_rows, S) > 0.3 if masked else None
+    val = rng.randn(n_rows, S, *rest)
+    if masked:
+        live[0, 0] = False
+        val[0, 0] = np.nan
+    keep = np.ones((n_rows, S), bool) if live is None else live
+    expected = np.zeros((n_rows, size) + rest)
+    rows = np.broadcast_to(np.arange(n_rows)[:, None], (n_rows, S))
+    np.add.at(expected, (rows[keep], cols[keep]), val[keep])
+    assert any(len(set(c[k])) < k.sum() for c, k in zip(cols, keep))  # repeats in a row
+    fn = getattr(_sparsity, assemble)
+    got = jax.jit(lambda v: fn(v, cols, live, size))(jnp.asarray(val))
+    np.testing.assert_allclose(got, expected, rtol=1e-14, atol=0)
+
+
 # ---- a layer per cell ---------------------------------------------------------------------
 
 _W1 = np.random.RandomState(1).randn(16, 4) / 2
