@@ -11,6 +11,8 @@
 #   bash benchmarks/tpu.sh             # there (the device tool: carry .whl-tpu)
 #   QUICK=1 bash benchmarks/tpu.sh     # smoke run
 #   CORE=1 bash benchmarks/tpu.sh      # gpu.sh's core benchmarks instead, quick sizes
+#   CORE=1 CORE_ONLY="materialise adjoint" BENCH_TIMEOUT=560 bash benchmarks/tpu.sh
+#                                      # some of them, each with a longer limit
 #   SEED=1 bash benchmarks/tpu.sh      # only jax.jacfwd(A @ x) at N = 10,000 against ours
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,8 +48,8 @@ elif [ -n "${CORE:-}" ]; then
   # (compiles); the seed report's case has SEED=1 of its own.
   export JAX_DEFAULT_MATMUL_PRECISION=highest DIFFRAX_LINEARIZE_RESULTS="$PWD/benchmarks/results/quick"
   export DIFFRAX_LINEARIZE_MACHINE_NOTE="quick sizes, float32, JAX_DEFAULT_MATMUL_PRECISION=highest (\`CORE=1 bash benchmarks/tpu.sh\`)"
-  for args in "step_cost --quick" "materialise --quick" \
-      "squared_grads --quick" "adjoint --quick"; do
+  for bench in ${CORE_ONLY:-step_cost materialise squared_grads adjoint}; do
+    args="$bench --quick"
     echo "=== $args"
     timeout "${BENCH_TIMEOUT:-110}" python3 -m benchmarks.$args || { echo "!!! $args"; status=1; }
   done
