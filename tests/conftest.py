@@ -9,14 +9,18 @@ import re
 # compiled code. So `make test` compiles at LLVM's -O0 (about 12% less wall time on two
 # cores). A program's numerics do not depend on the level up to the last bits, and the
 # comparisons that want bits (ours against Diffrax's, fixed steps) compile both sides alike.
+# It also compiles each program as one LLVM module, not split for parallel code generation:
+# these programs are small, and splitting them costs more than it saves (11-12% less wall
+# time again, test_stiff.py and test_brownian_carry.py with test_rosenbrock.py in one
+# process, 2026-12-06; the split changes no numbers, only how the code is cut up).
 # `make test-latest` sets DIFFRAX_LINEARIZE_TEST_FAST_COMPILE=0 and so runs the suite as
-# users compile (XLA's default level); an XLA_FLAGS that names a level is left alone.
+# users compile (XLA's defaults); an XLA_FLAGS that names either setting keeps it.
 _FLAGS = os.environ.get("XLA_FLAGS", "")
-if (
-    os.environ.get("DIFFRAX_LINEARIZE_TEST_FAST_COMPILE", "1") != "0"
-    and "xla_backend_optimization_level" not in _FLAGS
-):
-    os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
+if os.environ.get("DIFFRAX_LINEARIZE_TEST_FAST_COMPILE", "1") != "0":
+    for _flag in ("xla_backend_optimization_level=0", "xla_cpu_parallel_codegen_split_count=1"):
+        if _flag.split("=")[0] not in _FLAGS:
+            _FLAGS = f"{_FLAGS} --{_flag}".strip()
+    os.environ["XLA_FLAGS"] = _FLAGS
 # Read back from the flags, not from the test above: pytest-xdist's workers inherit the
 # XLA_FLAGS that this module set in the controlling process (3 is XLA's default level).
 _LEVEL = re.findall(r"--xla_backend_optimization_level=(\d+)", os.environ.get("XLA_FLAGS", ""))
@@ -38,7 +42,10 @@ def pytest_runtest_teardown(item, nextitem):
     # slow tests crashed in XLA's compiler ("Segmentation fault" in
     # `backend_compile_and_load`, three times in two runs, 2026-12-06) once it had compiled
     # that many. So each test module's programs are dropped when the next module starts;
-    # the tests of a module still share theirs.
+    # the tests of a module still share theirs. (Dropping them only once a process holds
+    # half that many mappings, so that modules share the small programs of eager
+    # operations, was not faster: 677 s for `make test` against 601 s the run before,
+    # 2026-12-06, on a machine whose speed drifts by up to 15% between runs.)
     if nextitem is None or nextitem.module is not item.module:
         jax.clear_caches()
         gc.collect()

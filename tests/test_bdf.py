@@ -84,7 +84,7 @@ def test_local_order(k, ndf):
     assert abs(slope - (k + 1)) < 0.3, (k, slope, errs)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_fixed_step_order(k):
     """The whole method with constant steps, from its start at order 1: global order k
     (0.99 and 1.99 when written). For orders above 2 the steps of order 1 at the start
@@ -216,7 +216,11 @@ def test_jacobian_every_one_counts_every_step():
     assert steps <= int(st.num_factorisations) <= steps + 1
 
 
-@pytest.mark.parametrize("reverse, jump", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    "reverse, jump",
+    # Backwards in time also in test_backward_in_time: that case in the slow suite.
+    [(False, False), pytest.param(True, False, marks=pytest.mark.slow), (False, True)],
+)
 def test_stiff_linear(reverse, jump):
     M = np.array([[-1.0, 1.0, 0.0], [0.0, -100.0, 50.0], [0.0, 0.0, -1e4]])
     sign = -1.0 if reverse else 1.0
@@ -404,11 +408,11 @@ def _complex_solve(f, y0, solver, dtype, rtol, t1):
         )
 
 
-# The small and dense paths by default; the structured ones in the slow suite
+# The small path by default; the dense and structured ones in the slow suite
 # (test_stiff.py's complex state takes the block path by default).
-_COMPLEX_PATHS = ["small", "dense"]
+_COMPLEX_PATHS = ["small"]
 _COMPLEX_PATHS += [
-    pytest.param(p, marks=pytest.mark.slow) for p in ("block", "band", "sparse", "gmres")
+    pytest.param(p, marks=pytest.mark.slow) for p in ("dense", "block", "band", "sparse", "gmres")
 ]
 
 

@@ -625,17 +625,27 @@ def _(dt):
     return fn, (_input((3,), dt),)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_rule(name):
+def _rule_cases():
+    # Every case in both dtypes; `make test` runs each case in one of them, float64 and
+    # float32 by turns down the table (so both dtypes meet every kind of rule there), and
+    # `make test-slow` the other (the test is compile-bound: 50 s of a worker for both).
+    for i, name in enumerate(CASES):
+        for j, dtype in enumerate(("float64", "float32")):
+            marks = () if (i + j) % 2 == 0 else pytest.mark.slow
+            yield pytest.param(name, dtype, marks=marks, id=f"{name}-{dtype}")
+
+
+@pytest.mark.parametrize("name, dtype_name", _rule_cases())
+def test_rule(name, dtype_name):
     make, reference, modes, argnums = CASES[name]
     references = {
         "forward": jax.jacrev if reference == "jacrev" else jax.jacfwd,
         "reverse": jax.jacfwd if reference == "jacfwd" else jax.jacrev,
     }
-    dtypes = {"float32": jnp.float32, "float64": jnp.float64}
+    dtypes = {dtype_name: getattr(jnp, dtype_name)}
     programs = {key: make(dtype) for key, dtype in dtypes.items()}
 
-    # One compilation for both dtypes, both modes and the references: compiling dominates.
+    # One compilation for both modes and the references: compiling dominates.
     @jax.jit
     def run(all_args):
         out = {}

@@ -503,7 +503,7 @@ def test_stable_where_explicit_blows_up(implicit, explicit):
     "implicit, explicit",
     [
         (dl.ImplicitEulerMaruyama(theta=0.0), diffrax.Euler()),
-        (dl.ImplicitItoMilstein(theta=0.0), dl.ItoMilstein()),
+        pytest.param(dl.ImplicitItoMilstein(theta=0.0), dl.ItoMilstein(), marks=pytest.mark.slow),
         pytest.param(
             dl.ImplicitStratonovichMilstein(theta=0.0),
             dl.StratonovichMilstein(),
