@@ -4,6 +4,7 @@ descending to both ends of every step, as the tree's `evaluate` does."""
 
 import diffrax as dfx
 import diffrax_linearize as dl
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -193,16 +194,19 @@ def test_jumps_and_other_trees_are_descended_again():
     terms = [
         dfx.MultiTerm(dfx.ODETerm(_drift), dfx.ControlTerm(_diag, _tree(key=k))) for k in (0, 1)
     ]
-    state = solver.init(terms[0], 0.0, 0.1, _Y0, None)
-    _, _, _, state, _ = solver.step(terms[0], 0.0, 0.1, _Y0, None, state, False)
+    # Jitted: one program per function for both trees (eagerly, twice the time).
+    init, step = eqx.filter_jit(solver.init), eqx.filter_jit(solver.step)
+    state = init(terms[0], 0.0, 0.1, _Y0, None)
+    _, _, _, state, _ = step(terms[0], 0.0, 0.1, _Y0, None, state, False)
     # The other tree, from the first's state at 0.1; then from its own fresh state.
-    y1, *_ = solver.step(terms[1], 0.1, 0.2, _Y0, None, state, False)
-    fresh = solver.init(terms[1], 0.1, 0.2, _Y0, None)
-    y1_fresh, *_ = solver.step(terms[1], 0.1, 0.2, _Y0, None, fresh, False)
+    y1, *_ = step(terms[1], 0.1, 0.2, _Y0, None, state, False)
+    fresh = init(terms[1], 0.1, 0.2, _Y0, None)
+    y1_fresh, *_ = step(terms[1], 0.1, 0.2, _Y0, None, fresh, False)
     np.testing.assert_array_equal(y1, y1_fresh)
-    assert not np.array_equal(y1, solver.step(terms[0], 0.1, 0.2, _Y0, None, state, False)[0])
+    assert not np.array_equal(y1, step(terms[0], 0.1, 0.2, _Y0, None, state, False)[0])
 
 
+@pytest.mark.slow  # the heaviest test of `make test` (18 s on two cores): the slow tier
 def test_vmap_and_grad():
     """Under `jax.vmap` over keys and `jax.grad` through the solve, as without the carry."""
 
