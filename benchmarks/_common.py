@@ -256,6 +256,19 @@ def plot_path(name: str) -> pathlib.Path:
     return RESULTS / f"{result_stem(name)}.png"
 
 
+def save_plot(fig, name: str, out=None, *, dpi: int = 120, rect=None) -> pathlib.Path:
+    """Lay `fig` out (within `rect` of the figure, if given, leaving room for a legend or
+    a title outside the axes), write it to `out` or to the plot of benchmark `name` beside
+    its JSON, and close it. Returns the path written."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout(rect=rect)  # None: the whole figure
+    path = pathlib.Path(out) if out is not None else plot_path(name)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def time_interleaved(
     fns: dict[str, tuple[Callable, tuple]],
     rounds: int = 21,

@@ -195,6 +195,7 @@ from benchmarks._common import (  # noqa: E402
     fmt_ratio,
     markdown_table,
     plot_path,
+    save_plot,
     time_contenders_output,
     write_results,
 )
@@ -1226,11 +1227,7 @@ def plot(rows, out=None):
         ha="center",
         fontsize=8,
     )
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
-    out = out or plot_path("adaptive_sde")
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_plot(fig, "adaptive_sde", out, dpi=100, rect=(0, 0.02, 1, 1))
 
 
 def plot_breakdown(rows, out=None):
@@ -1258,11 +1255,7 @@ def plot_breakdown(rows, out=None):
     ax.set_xlabel("time of a loop iteration / the fixed step's (fastest round)")
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    out = out or plot_path("adaptive_sde_breakdown")
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_plot(fig, "adaptive_sde_breakdown", out, dpi=100)
 
 
 def main(argv=None):

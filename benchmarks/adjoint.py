@@ -27,7 +27,7 @@ from ._common import (
     fmt_spread,
     markdown_table,
     memory_scratch_bytes,
-    plot_path,
+    save_plot,
     time_contenders,
     write_results,
 )
@@ -200,8 +200,7 @@ def plot(rows: list[dict], out=None) -> None:
     axes[1].set_ylabel("scratch memory, 200 steps / 100 steps")
     axes[0].legend(fontsize=8)
     fig.suptitle("Backsolve adjoints (missing bars: unsupported)")
-    fig.tight_layout()
-    fig.savefig(out or plot_path("adjoint"), dpi=120)
+    save_plot(fig, "adjoint", out)
 
 
 if __name__ == "__main__":

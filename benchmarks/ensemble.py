@@ -195,7 +195,7 @@ def _plot(rows, name):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks._common import plot_path
+    from benchmarks._common import save_plot
 
     base = rows[0]["paths_per_sec"]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
@@ -234,9 +234,7 @@ def _plot(rows, name):
     ax.set_ylim(bottom=0)
     ax.set_title(f"solve_ensemble, d={D} SDE, Euler, {rows[0]['steps']} steps")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(plot_path(name), dpi=120)
-    plt.close(fig)
+    save_plot(fig, name)
 
 
 COLUMNS = [

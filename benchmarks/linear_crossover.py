@@ -53,7 +53,7 @@ jax.config.update("jax_enable_x64", True)
 import diffrax_linearize as dl
 from diffrax_linearize._linear_solver import _inverse
 
-from benchmarks._common import markdown_table, plot_path, time_contenders, write_results
+from benchmarks._common import markdown_table, save_plot, time_contenders, write_results
 
 
 REPEATS = 64  # factorisations (or solves) per timed call
@@ -286,11 +286,7 @@ def plot(rows, out=None):
         "Linear solves inside a compiled loop: structured paths against dense LU"
         " (float64, one thread)"
     )
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    path = out or plot_path("linear_crossover")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(fig, "linear_crossover", out, dpi=110, rect=(0, 0.08, 1, 0.95))
 
 
 def pollu_rows(repeats: int = 5) -> list[dict]:

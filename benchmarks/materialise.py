@@ -40,6 +40,7 @@ from benchmarks._common import (
     fmt_spread,
     markdown_table,
     plot_path,
+    save_plot,
     summarise_times,
     time_contenders,
     time_contenders_output,
@@ -285,11 +286,7 @@ def plot_seed(rows, out=None):
     ax.set_ylabel("seconds (fastest)")
     ax.set_title(f"Jacobian of A @ x, N = {n:,}, float32")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out or plot_path("materialise_seed")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_plot(fig, "materialise_seed", out, dpi=100)
 
 
 def run(quick: bool = False, seed_n: int | None = None) -> list[dict]:
@@ -408,9 +405,7 @@ def plot(rows, out=None):
         ax.set_ylabel("seconds (run: fastest round)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out or plot_path("materialise"), dpi=120)
-    plt.close(fig)
+    save_plot(fig, "materialise", out)
 
 
 if __name__ == "__main__":

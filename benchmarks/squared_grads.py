@@ -26,7 +26,7 @@ from benchmarks._common import (
     fmt_spread,
     markdown_table,
     memory_scratch_bytes,
-    plot_path,
+    save_plot,
     time_contenders,
     write_results,
 )
@@ -235,9 +235,7 @@ def plot(rows, out=None):
     # Below the bars, not over them.
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(out or plot_path(NAME), dpi=120)
-    plt.close(fig)
+    save_plot(fig, NAME, out, rect=(0, 0.12, 1, 1))
 
 
 if __name__ == "__main__":

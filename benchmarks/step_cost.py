@@ -33,7 +33,7 @@ from benchmarks._common import (
     fmt_ratio,
     fmt_spread,
     markdown_table,
-    plot_path,
+    save_plot,
     time_contenders,
     write_results,
 )
@@ -320,10 +320,7 @@ def plot(rows: list[dict], out: pathlib.Path | None = None) -> pathlib.Path:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle("One jitted SDE step (solid: ours)")
-    fig.tight_layout()
-    path = out or plot_path(NAME)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = save_plot(fig, NAME, out)
     print(f"wrote {path}")
     return path
 

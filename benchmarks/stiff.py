@@ -59,7 +59,7 @@ from benchmarks._common import (
     machine,
     markdown_table,
     parse_partial_rerun,
-    plot_path,
+    save_plot,
     time_contenders_output,
     write_results,
 )
@@ -450,11 +450,7 @@ def plot(rows, out=None):
     ax.set_ylabel("RMS error at t = 1")
     ax.set_title("Stochastic Allen-Cahn: work-precision")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out or plot_path("stiff")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(fig, "stiff", out, dpi=110)
 
 
 def main(argv=None):

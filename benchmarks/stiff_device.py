@@ -52,7 +52,7 @@ from benchmarks._common import (
     fmt_spread,
     machine,
     markdown_table,
-    plot_path,
+    save_plot,
     time_round_robin,
     write_results,
 )
@@ -216,11 +216,7 @@ def plot(rows, quick=False, out=None):
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out or plot_path("stiff_device_quick" if quick else "stiff_device")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_plot(fig, "stiff_device_quick" if quick else "stiff_device", out, dpi=100)
 
 
 def run(quick: bool = False) -> list[dict]:

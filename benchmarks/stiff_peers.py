@@ -87,8 +87,8 @@ from benchmarks._common import (
     machine,
     markdown_table,
     parse_partial_rerun,
-    plot_path,
     recorded_result,
+    save_plot,
     time_round_robin,
     write_results,
 )
@@ -1170,11 +1170,7 @@ def plot(rows, quick=False, out=None):
     (spare[0] if len(spare) else axes[0, 0]).legend(
         handles.values(), handles.keys(), fontsize=7, loc="upper left"
     )
-    fig.tight_layout()
-    path = out or plot_path("stiff_peers_quick" if quick else "stiff_peers")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_plot(fig, "stiff_peers_quick" if quick else "stiff_peers", out, dpi=100)
 
 
 def main(argv=None):

@@ -51,7 +51,7 @@ from benchmarks._common import (
     machine,
     markdown_table,
     parse_partial_rerun,
-    plot_path,
+    save_plot,
     time_contenders,
     write_results,
 )
@@ -527,11 +527,7 @@ def plot(rows, out=None):
     handles, names = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=4)
     fig.suptitle("Jacobians of vector fields: run time against unknowns (float64, jitted)")
-    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
-    path = out or plot_path("structure")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(fig, "structure", out, dpi=110, rect=(0, 0.05, 1, 0.96))
 
 
 def main(argv=None):

@@ -37,7 +37,13 @@ jax.config.update("jax_enable_x64", True)
 
 import diffrax_linearize as dl  # noqa: E402
 
-from benchmarks._common import fmt_spread, markdown_table, plot_path, time_contenders, write_results
+from benchmarks._common import (
+    fmt_spread,
+    markdown_table,
+    save_plot,
+    time_contenders,
+    write_results,
+)
 
 
 D = 8
@@ -332,9 +338,7 @@ def plot(rows, out=None):
         ax.grid(True, which="both", alpha=0.3)
         if bad or ax is axes[0][0]:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = out or plot_path("work_precision")
-    fig.savefig(out, dpi=120)
+    out = save_plot(fig, "work_precision", out)
     print(f"wrote {out}")
 
 
