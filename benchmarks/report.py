@@ -104,8 +104,9 @@ _ADAPTIVE_SDE = (
     "on three SDEs (commutative, non-commutative, stiff) for ours adaptive "
     "(`PIDController`, each path its own steps), ours adaptive with one step for the whole "
     "batch, ours at fixed steps, `HalfSolver(ours)` and Diffrax's adaptive "
-    "SDE solvers. The table: the acceptance ratios at the error of ours adaptive at rtol 1e-3 "
-    "(costs interpolated in log-log space; * extrapolated); the JSON has every point."
+    "SDE solvers. The first table: the acceptance ratios at the error of ours adaptive at "
+    "rtol 1e-3 (costs interpolated in log-log space; * extrapolated); the second: the three "
+    "criteria at the error of each of its tolerances; the JSON has every point."
 )
 
 _ADAPTIVE_SDE_BREAKDOWN = (
@@ -781,10 +782,21 @@ def _noisy(data: dict) -> dict:
 
 
 def _adaptive_sde(data: dict) -> list[str]:
-    from benchmarks.adaptive_sde import table, TABLE_NOTE
+    from benchmarks.adaptive_sde import (
+        over_tolerances,
+        OVER_TOLERANCES_NOTE,
+        over_tolerances_table,
+        table,
+        TABLE_NOTE,
+    )
 
     note = data.get("note")
-    return [table(data["acceptance"]), "", TABLE_NOTE, ""] + ([note, ""] if note else [])
+    sweep = over_tolerances_table(over_tolerances(data["rows"]))
+    return (
+        [table(data["acceptance"]), "", TABLE_NOTE, ""]
+        + [sweep, "", OVER_TOLERANCES_NOTE, ""]
+        + ([note, ""] if note else [])
+    )
 
 
 def _adaptive_sde_breakdown(data: dict) -> list[str]:

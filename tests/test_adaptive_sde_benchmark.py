@@ -312,3 +312,41 @@ def test_shared_step_solves_the_same_paths(name):
     spark_fixed_shared = dict(spark_shared, adaptive=False)
     ys_shared = jax.jit(bench._make_solve(problem, spark_fixed_shared, n_ref, n_ref))(paths, dt)[0]
     np.testing.assert_allclose(ys_shared, ys, rtol=1e-12, atol=1e-12)
+
+
+def test_acceptance_over_tolerances_on_a_synthetic_curve():
+    # Fixed steps: error = 1 / steps. Ours adaptive: as good as fixed at its loose
+    # tolerance (16 steps, error 1/16) and as good as 4x the fixed steps at its tight one
+    # (64 steps, error 1/256): fixed / adaptive is 1 at the first, 4 at the second.
+    rows = [
+        dict(
+            problem="p",
+            method="ours fixed",
+            param=1 / n,
+            rms_error=1 / n,
+            steps=float(n),
+            time_per_path_s=1e-6 * n,
+            failed_paths=0,
+        )
+        for n in (16, 64, 256)
+    ]
+    for rtol, steps, error in ((1e-2, 16.0, 1 / 16), (1e-4, 64.0, 1 / 256)):
+        rows.append(
+            dict(
+                problem="p",
+                method="ours adaptive",
+                param=rtol,
+                rms_error=error,
+                steps=steps,
+                time_per_path_s=1e-6 * steps,
+                failed_paths=0,
+            )
+        )
+    (entry,) = [e for e in bench.over_tolerances(rows) if e["what"] == "fixed / adaptive"]
+    loose, tight = entry["cells"]["0.01"], entry["cells"]["0.0001"]
+    np.testing.assert_allclose(loose["time_ratio"], 1.0, rtol=1e-12)
+    np.testing.assert_allclose(tight["time_ratio"], 4.0, rtol=1e-12)
+    assert not loose["met"] and tight["met"]
+    assert (loose["rms_error"], tight["rms_error"]) == (1 / 16, 1 / 256)
+    table = bench.over_tolerances_table(bench.over_tolerances(rows))
+    assert "| 1x at 0.062 | **4x** at 0.0039 |" in table
