@@ -509,6 +509,7 @@ def test_implicit_estimate_is_filtered_by_the_step_operator(theta):
     np.testing.assert_allclose(y_error[1], raw[1], rtol=0.06)
 
 
+@pytest.mark.slow  # 11-16 s on two cores; the estimate's filter is checked in `make test`
 def test_implicit_drift_estimate_is_the_local_error():
     # Without noise the estimate of a drift-implicit step is its local error to leading
     # order, for every theta: at theta = 1/2 the trapezoidal rule's own h^3 error (an

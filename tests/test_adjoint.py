@@ -90,7 +90,9 @@ SAVEATS = {
 @pytest.mark.parametrize(
     "solver, dt, saveat",
     [
-        (diffrax.Tsit5(), 2.0**-4, "t1"),  # FSAL: calls the adjoint `vf` (structure engine)
+        # FSAL: calls the adjoint `vf` (structure engine). 12 s on two cores: the slow
+        # tier (test_adjoint_vf_matches_jacfwd checks that `vf` in `make test`).
+        pytest.param(diffrax.Tsit5(), 2.0**-4, "t1", marks=pytest.mark.slow),
         # The vf_prod-only backward solver; with several save times Diffrax's own
         # backsolve is off by 1e-4 here (see `_ReversibleHeunVfProd`).
         pytest.param(diffrax.ReversibleHeun(), 2.0**-6, "t0+ts", marks=pytest.mark.slow),

@@ -76,9 +76,10 @@ def _reference():
         return np.asarray(jax.jit(jax.vmap(solve))(keys)), np.asarray(saveat.subs.ts)
 
 
-@pytest.mark.parametrize(
-    "num_processes", [2, pytest.param(4, marks=pytest.mark.slow, id="4 (slow: 4 compiles)")]
-)
+# Processes that each compile the solve: 12-20 s on two cores for the two, the slow tier
+# (`make test` keeps test_killed_process_stops_the_others, which starts processes too).
+@pytest.mark.slow
+@pytest.mark.parametrize("num_processes", [2, pytest.param(4, id="4 (4 compiles)")])
 def test_recipe_matches_vmap(tmp_path, num_processes):
     _run(tmp_path, num_processes, [*ARGS, "--return-paths"])
     expected, ts = _reference()

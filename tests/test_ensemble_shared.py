@@ -89,7 +89,8 @@ _SQUARE = dfx.SaveAt(subs=[SAVEAT.subs, dfx.SubSaveAt(t1=True, fn=lambda t, y, a
 @pytest.mark.parametrize(
     "terms, solver",
     [
-        (_diagonal_terms, dl.ItoMilstein()),
+        # 9-17 s on two cores: all in the slow tier (`make test` keeps the adaptive check).
+        pytest.param(_diagonal_terms, dl.ItoMilstein(), marks=pytest.mark.slow),
         pytest.param(_diagonal_terms, dfx.SPaRK(), marks=pytest.mark.slow),
         pytest.param(_general_terms, dl.GeneralItoMilstein(), marks=pytest.mark.slow),
         pytest.param(_diagonal_terms, dl.ImplicitItoMilstein(), marks=pytest.mark.slow),
