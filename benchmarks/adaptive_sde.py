@@ -894,31 +894,38 @@ def over_tolerances(rows: list[dict]) -> list[dict]:
 
 
 def over_tolerances_table(entries: list[dict]) -> str:
-    """`over_tolerances` as a table: a column per tolerance of ours adaptive, each cell the
-    ratio by time (bold where the goal holds; * extrapolated) and the RMS error it is read
-    at."""
-    rtols = sorted({t for e in entries for t in e["cells"]}, key=float, reverse=True)
+    """`over_tolerances` as a table: a row per problem and tolerance of ours adaptive, with
+    the RMS error the ratios are read at and a column per criterion, each the ratio by
+    time (bold where the goal holds; * extrapolated)."""
+    whats = list(dict.fromkeys(e["what"] for e in entries))
+    goals = {e["what"]: e["goal"] for e in entries}
+    by = {(e["problem"], e["what"]): e["cells"] for e in entries}
     cells = []
-    for e in entries:
-        row = dict(problem=e["problem"], what=f"{e['what']} ({e['goal']})")
-        for t in rtols:
-            c = e["cells"].get(t)
-            if c is None:
-                row[t] = "n/a"
-                continue
-            ratio = fmt_ratio(c["time_ratio"])
-            ratio = (f"**{ratio}**" if c["met"] else ratio) + (" *" if c["extrapolated"] else "")
-            row[t] = f"{ratio} at {c['rms_error']:.2g}"
-        cells.append(row)
-    columns = [("problem", "SDE"), ("what", "ratio (goal, by time)")]
-    columns += [(t, f"rtol {t}") for t in rtols]
+    for problem in dict.fromkeys(e["problem"] for e in entries):
+        rtols = {t for w in whats for t in by.get((problem, w), {})}
+        for t in sorted(rtols, key=float, reverse=True):
+            found = [by[problem, w].get(t) for w in whats if (problem, w) in by]
+            errors = [c["rms_error"] for c in found if c is not None]
+            row = dict(problem=problem, rtol=t, error=f"{errors[0]:.2g}" if errors else "—")
+            for w in whats:
+                c = by.get((problem, w), {}).get(t)
+                if c is None:
+                    row[w] = "n/a"
+                    continue
+                ratio = fmt_ratio(c["time_ratio"])
+                row[w] = (f"**{ratio}**" if c["met"] else ratio) + (
+                    " *" if c["extrapolated"] else ""
+                )
+            cells.append(row)
+    columns = [("problem", "SDE"), ("rtol", "rtol"), ("error", "RMS error")]
+    columns += [(w, f"{w} ({goals[w]})") for w in whats]
     return markdown_table(cells, columns)
 
 
 OVER_TOLERANCES_NOTE = (
     "The same three criteria at the RMS error of ours adaptive at each of its tolerances "
-    "(the table above reads them at rtol 1e-3's): each cell the ratio by time per path, "
-    "bold where the goal holds, and the error it is read at. n/a: as above."
+    "(the table above reads them at rtol 1e-3's), by time per path, bold where the goal "
+    "holds. n/a: as above."
 )
 
 

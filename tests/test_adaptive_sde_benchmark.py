@@ -349,4 +349,4 @@ def test_acceptance_over_tolerances_on_a_synthetic_curve():
     assert not loose["met"] and tight["met"]
     assert (loose["rms_error"], tight["rms_error"]) == (1 / 16, 1 / 256)
     table = bench.over_tolerances_table(bench.over_tolerances(rows))
-    assert "| 1x at 0.062 | **4x** at 0.0039 |" in table
+    assert "| p | 0.01 | 0.062 | 1x |" in table and "| p | 0.0001 | 0.0039 | **4x** |" in table
