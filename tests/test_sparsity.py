@@ -1252,6 +1252,17 @@ def test_row_assembly_as_add_at(assemble, masked, rest):
     np.testing.assert_allclose(got, expected, rtol=1e-14, atol=0)
 
 
+def test_selects_only_where_they_pay():
+    """On a TPU the selects replace the scatter where their work, the output's size times
+    the slots of a row, stays within a few thousand times the live entries: a 3 x 3
+    convolution over 3 channels (the case measured), not a graph whose hub row makes every
+    row as long as the state (the selects would cost n^3)."""
+    conv_rows, conv_slots, conv_live = 8 * 16 * 16, 27, 50784
+    assert _sparsity._selects_pay((conv_rows, conv_slots), 3 * 16 * 16, conv_live)
+    n = 10_000  # a star graph: one row of n entries, the others of two
+    assert not _sparsity._selects_pay((n, n), n, 3 * n)
+
+
 # ---- a layer per cell ---------------------------------------------------------------------
 
 _W1 = np.random.RandomState(1).randn(16, 4) / 2
