@@ -904,11 +904,10 @@ def over_tolerances_table(entries: list[dict]) -> str:
     for problem in dict.fromkeys(e["problem"] for e in entries):
         rtols = {t for w in whats for t in by.get((problem, w), {})}
         for t in sorted(rtols, key=float, reverse=True):
-            found = [by[problem, w].get(t) for w in whats if (problem, w) in by]
-            errors = [c["rms_error"] for c in found if c is not None]
+            found = {w: by.get((problem, w), {}).get(t) for w in whats}
+            errors = [c["rms_error"] for c in found.values() if c is not None]
             row = dict(problem=problem, rtol=t, error=f"{errors[0]:.2g}" if errors else "—")
-            for w in whats:
-                c = by.get((problem, w), {}).get(t)
+            for w, c in found.items():
                 if c is None:
                     row[w] = "n/a"
                     continue

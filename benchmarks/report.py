@@ -783,7 +783,6 @@ def _noisy(data: dict) -> dict:
 
 def _adaptive_sde(data: dict) -> list[str]:
     from benchmarks.adaptive_sde import (
-        over_tolerances,
         OVER_TOLERANCES_NOTE,
         over_tolerances_table,
         table,
@@ -791,7 +790,7 @@ def _adaptive_sde(data: dict) -> list[str]:
     )
 
     note = data.get("note")
-    sweep = over_tolerances_table(over_tolerances(data["rows"]))
+    sweep = over_tolerances_table(data["over_tolerances"])
     return (
         [table(data["acceptance"]), "", TABLE_NOTE, ""]
         + [sweep, "", OVER_TOLERANCES_NOTE, ""]
