@@ -668,11 +668,18 @@ def _rows_by_selects(val, cols, live, size: int):
 _SELECTS_PER_ENTRY = 4096
 
 
-def _selects_pay(slots: tuple[int, int], size: int, live: int) -> bool:
+def _selects_pay(slots: tuple[int, int], size: int, live: int, dtype) -> bool:
     """Whether `_rows_by_selects` (work `rows * S * size`) is the cheaper way to a dense
-    block on a TPU than the scatter of its `live` entries."""
+    block on a TPU than the scatter of its `live` entries.
+
+    Only for dtypes of at most 32 bits, which a TPU has: its compiler emulates 64-bit
+    ones, and aborts the process on these selects in float64 (v5e, jax 0.10.2,
+    2026-12-06: "Check failed: return_shape->IsTuple() Invalid index {0} for shape
+    pred[...]" in `HloReplicationAnalysis`, from `materialise` of
+    `jnp.sum(jnp.roll(y, 1) * y)` in forward mode; the scatter compiles and is exact)."""
     n_rows, S = slots
-    return n_rows * S * size <= _SELECTS_PER_ENTRY * max(live, 1)
+    small = jnp.dtype(dtype).itemsize <= 4
+    return small and n_rows * S * size <= _SELECTS_PER_ENTRY * max(live, 1)
 
 
 def _ell_to_plain(b: Struct) -> Struct:
@@ -697,7 +704,9 @@ def _ell_to_plain(b: Struct) -> Struct:
         rows = np.broadcast_to(np.arange(n_rows)[:, None], (n_rows, S))
         keep = np.ones((n_rows, S), bool) if live is None else live
         np.add.at(dense, (rows[keep], cols[keep]), val[keep])
-    elif _selects_pay(cols.shape, n_group, n_rows * S if live is None else int(live.sum())):
+    elif _selects_pay(
+        cols.shape, n_group, n_rows * S if live is None else int(live.sum()), val.dtype
+    ):
         dense = jax.lax.platform_dependent(
             val,
             tpu=lambda v: _rows_by_selects(v, cols, live, n_group),
