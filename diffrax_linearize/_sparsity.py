@@ -672,11 +672,12 @@ def _selects_pay(slots: tuple[int, int], size: int, live: int, dtype) -> bool:
     """Whether `_rows_by_selects` (work `rows * S * size`) is the cheaper way to a dense
     block on a TPU than the scatter of its `live` entries.
 
-    Only for dtypes of at most 32 bits, which a TPU has: its compiler emulates 64-bit
-    ones, and aborts the process on these selects in float64 (v5e, jax 0.10.2,
-    2026-12-06: "Check failed: return_shape->IsTuple() Invalid index {0} for shape
-    pred[...]" in `HloReplicationAnalysis`, from `materialise` of
-    `jnp.sum(jnp.roll(y, 1) * y)` in forward mode; the scatter compiles and is exact)."""
+    Only for dtypes of at most 32 bits (complex64, never tried with the selects on a TPU,
+    keeps the scatter too): a TPU's compiler emulates 64-bit floats, and aborts the
+    process on these selects in float64 (v5e, jax 0.10.2, 2026-12-06: "Check failed:
+    return_shape->IsTuple() Invalid index {0} for shape pred[...]" in
+    `HloReplicationAnalysis`, from `materialise` of `jnp.sum(jnp.roll(y, 1) * y)` in
+    forward mode; the scatter compiles and is exact)."""
     n_rows, S = slots
     small = jnp.dtype(dtype).itemsize <= 4
     return small and n_rows * S * size <= _SELECTS_PER_ENTRY * max(live, 1)
