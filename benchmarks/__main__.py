@@ -26,6 +26,7 @@ BENCHMARKS = {
     "linear-crossover": "benchmarks.linear_crossover",
     "ensemble-lanes": "benchmarks.ensemble_lanes",
     "stiff-device": "benchmarks.stiff_device",
+    "xla-cpu-flags": "benchmarks.xla_cpu_flags",
 }
 
 

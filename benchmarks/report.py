@@ -58,6 +58,7 @@ TITLES = {
     "stiff_device": "Stiff ODEs on an accelerator, beside the same machine's CPU",
     "stiff_device_quick": "Stiff ODEs on an accelerator, beside the same machine's CPU "
     "(quick mode)",
+    "xla_cpu_flags": "Compile and run time with XLA:CPU's fusion emitters off",
 }
 
 
@@ -82,6 +83,7 @@ CASE_KEYS = {
     "materialise_seed": ("problem", "N", "method"),
     "stiff_device": ("problem", "size", "rtol", "method", "device"),
     "stiff_device_quick": ("problem", "size", "rtol", "method", "device"),
+    "xla_cpu_flags": ("workload", "config"),
 }
 
 
@@ -133,6 +135,11 @@ WHAT = {
     "is short).",
     "stiff_device": _STIFF_DEVICE,
     "stiff_device_quick": _STIFF_DEVICE,
+    "xla_cpu_flags": "Typical solves compiled and run in fresh processes under XLA:CPU's "
+    "defaults and with `XLA_FLAGS=--xla_cpu_use_fusion_emitters=false`, alternately, five "
+    "rounds each: trace + compile time (fastest round, what a first call pays before it "
+    "runs) and run time (fastest run), and how far the outputs differ "
+    "(`python -m benchmarks.xla_cpu_flags`).",
     "linear_crossover": "`StructuredLinearSolver`'s structured paths against dense LU, per "
     "operator kind and size: the cost of a factorisation and one solve, and of a solve, inside "
     "a compiled loop (single-threaded CPU, float64); and POLLU end to end.",
@@ -811,7 +818,14 @@ def _ensemble_lanes(data: dict) -> list[str]:
 
 
 # Each benchmark's short table (at most eight columns), from one result file.
+def _xla_cpu_flags(data: dict) -> list[str]:
+    from benchmarks.xla_cpu_flags import table
+
+    return [table(data["summary"]), ""]
+
+
 SHORT = {
+    "xla_cpu_flags": _xla_cpu_flags,
     "materialise_seed": _materialise_seed,
     "stiff_device": _stiff_device,
     "stiff_device_quick": _stiff_device,
@@ -1081,10 +1095,35 @@ def _materialise_seed_figures() -> dict[str, str]:
     return {"materialise-seed-device": text}
 
 
+def _xla_cpu_flags_figures() -> dict[str, str]:
+    """`docs/stiff.md`'s compile-time paragraph: the range of the flag's ratios."""
+    if not (RESULTS / "xla_cpu_flags-cpu-cpu.json").is_file():
+        return {"xla-cpu-flags": "(not measured yet: run `python -m benchmarks.xla_cpu_flags`)"}
+    data = _load("xla_cpu_flags")
+    ratios = data["summary"]
+    by = lambda key: sorted(ratios, key=lambda s: s[key])  # noqa: E731
+    low, high = by("compile_ratio")[0], by("compile_ratio")[-1]
+    fast, slow = by("run_ratio")[0], by("run_ratio")[-1]
+    cpus = data["machine"].get("cpu_count")
+    text = (
+        f"on a {cpus}-core CPU ({data['machine']['date'][:10]}, "
+        f"`benchmarks/results/xla_cpu_flags-cpu-cpu.json`), seven typical workloads traced "
+        f"and compiled in {fmt_ratio(low['compile_ratio'])} to "
+        f"{fmt_ratio(high['compile_ratio'])} of the time they take under XLA's defaults "
+        f"({low['workload']}: {fmt_time(low['compile_default_s'])} against "
+        f"{fmt_time(low['compile_flag_s'])}), and then ran in "
+        f"{fmt_ratio(fast['run_ratio'])} ({fast['workload']}) to "
+        f"{fmt_ratio(slow['run_ratio'])} ({slow['workload']}) of the time, with outputs "
+        f"equal to within {max(s['max_rel_diff'] for s in ratios):.0e} relatively"
+    )
+    return {"xla-cpu-flags": text}
+
+
 def figures() -> dict[str, str]:
     """The generated figures, by name."""
     return (
-        _ensemble_figures()
+        _xla_cpu_flags_figures()
+        | _ensemble_figures()
         | _squared_grads_figures()
         | _adaptive_sde_figures()
         | _stiff_hires_figures()
@@ -1343,6 +1382,7 @@ PLOTTERS = {
     "stiff_device_quick": "benchmarks.stiff_device",
     "adaptive_sde_breakdown": "benchmarks.adaptive_sde:plot_breakdown",
     "adaptive_sde_breakdown_quick": "benchmarks.adaptive_sde:plot_breakdown",
+    "xla_cpu_flags": "benchmarks.xla_cpu_flags",
 }
 
 
