@@ -517,47 +517,83 @@ def _linear_trace(d, y, nq: int):
     return jnp.broadcast_to(val, jnp.shape(y))
 
 
-def linear_diffusion_prod(term, t, y, args, control):
-    """`term.vf_prod(t, y, args, control)`, $g(y)\\, c$, for a diffusion linear in the one
-    state array `y` (general noise, one control array) whose structured derivative $D$
-    stores no more numbers than $g$: one contraction of $D$ with `control` and then with
-    `y`, without forming $g$ (for $g_{ij} = y_i G_{ij}$, $y \\odot (G c)$). `None` where
-    this does not apply; there `term.vf_prod` forms $g$ and multiplies it.
-
-    Forming $g$ writes and reads a $d \\times m$ array that the Milstein step needs for
-    nothing else here: its correction contracts $D$ with $g\\, c$ and $c$ (for
-    $g_{ij} = y_i G_{ij}$ the same $G c$, which XLA computes once) and its trace term reads
-    $D$ alone."""
+def _linear_derivative(term, t, y, args, api: str, max_size: int | None = None):
+    """The one (plain) block of the structured derivative $D$ of a diffusion linear in the
+    one state array `y`, with one control array (general noise, real), storing at most
+    `max_size` numbers if given, or `None`."""
     if _is_complex(term, t, y, args):
         return None
-    y_leaves, c_leaves = jtu.tree_leaves(y), jtu.tree_leaves(control)
-    if len(y_leaves) != 1 or len(c_leaves) != 1:
+    if len(jtu.tree_leaves(y)) != 1 or len(jtu.tree_leaves(control_zeros(term, t))) != 1:
         return None
-    api = "diffrax_linearize.ItoMilstein"
     if _noise_structure(term, t, y, args, api) != "general":
         return None
-    (yq,), (c,) = y_leaves, c_leaves
-    (g_struct,) = jtu.tree_leaves(jax.eval_shape(lambda y: materialise(term, t, y, args), y))
-    out_struct = jax.eval_shape(lambda y, c: term.vf_prod(t, y, args, c), y, control)
     dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     d = dblocks[0][0]
     if d is None:
         return None
     d = ell_to_plain(d)
-    if jnp.size(d.val) > g_struct.size or not _linear_in_state(term, t, y, args):
+    # The size first: whether g = D y traces the term twice more.
+    if max_size is not None and jnp.size(d.val) > max_size:
         return None
-    nq = jnp.ndim(yq)
+    return d if _linear_in_state(term, t, y, args) else None
+
+
+def _control_first(d, control: Array, vector: Array, nq: int, big: bool) -> Array:
+    """$(D c)\\, v$: the derivative block `d` contracted with the control `c` first, a
+    matrix with the state's axes twice (for $g(y) = A y$ the matrix $\\sum_j A_{i j k}
+    c_j$, one pass over $A$; for $g_{ij} = y_i G_{ij}$ the vector $G c$), then with
+    `vector` (shaped like the state). Two such products with the same control share the
+    first contraction, which XLA computes once.
+
+    With `big` (the block stores more numbers than $g$), the first contraction is a
+    product and then a sum, which XLA runs as one reduction that reads the block once in
+    its order: as a `dot_general` it contracts an axis in the middle of $A$, which XLA:CPU
+    ran 6-9x slower than $A y$ (d = 64 and 256)."""
     y_labels = tuple(d.out_labels[:nq])
     c_labels = tuple(d.out_labels[nq:])
     in_labels = tuple(d.in_labels)
-    (out_leaf,) = jtu.tree_leaves(out_struct)
-    dtype = out_leaf.dtype
-    # The control first: for g_ij = y_i G_ij the matrix-vector product G c, then y.
     keep = y_labels + tuple(label for label in in_labels if label not in y_labels)
-    val, labels = contract([(d.val, d.val_labels), (c, c_labels)], keep, d.sizes)
-    val, labels = contract([(jnp.asarray(val), labels), (yq, in_labels)], y_labels, d.sizes)
-    val = place(jnp.asarray(val), labels, y_labels)
-    out = jnp.broadcast_to(val, out_leaf.shape).astype(dtype)
+    every = tuple(d.val_labels)
+    if big and set(c_labels) <= set(every) and len(set(every)) == len(every):
+        dtype = jnp.result_type(d.val, control)
+        scaled = jnp.asarray(d.val, dtype) * place(jnp.asarray(control, dtype), c_labels, every)
+        val, labels = contract([(scaled, every)], keep, d.sizes)
+    else:
+        val, labels = contract([(d.val, d.val_labels), (control, c_labels)], keep, d.sizes)
+    val, labels = contract([(jnp.asarray(val), labels), (vector, in_labels)], y_labels, d.sizes)
+    return place(jnp.asarray(val), labels, y_labels)
+
+
+def linear_diffusion_prod(term, t, y, args, control, *, any_size: bool = False):
+    """`term.vf_prod(t, y, args, control)`, $g(y)\\, c$, for a diffusion linear in the one
+    state array `y` (general noise, one control array) whose structured derivative $D$
+    stores no more numbers than $g$ (or any number, with `any_size`): one contraction of
+    $D$ with `control` and then with `y`, without forming $g$ (for $g_{ij} = y_i G_{ij}$,
+    $y \\odot (G c)$; for $g(y) = A y$, $(\\sum_j A_{: j :} c_j)\\, y$). `None` where this
+    does not apply; there `term.vf_prod` forms $g$ and multiplies it.
+
+    Forming $g$ writes and reads a $d \\times m$ array that the Milstein step needs for
+    nothing else here: its correction contracts $D$ with $g\\, c$ and $c$ (for
+    $g_{ij} = y_i G_{ij}$ the same $G c$, which XLA computes once) and its trace term reads
+    $D$ alone. Where $D$ is bigger than $g$ ($g = A y$), the Itô step needs $g$ itself
+    for its correction, so only the Stratonovich step asks `any_size`: its correction is
+    $(D c)(g c)$, and with this $D c$ is formed once, one pass over $A$ for the whole
+    step, where $g$ and then the JVP along $g c$ read $A$ twice."""
+    if _is_complex(term, t, y, args):
+        return None
+    if len(jtu.tree_leaves(y)) != 1 or len(jtu.tree_leaves(control)) != 1:
+        return None
+    (g_struct,) = jtu.tree_leaves(jax.eval_shape(lambda y: materialise(term, t, y, args), y))
+    api = "diffrax_linearize.ItoMilstein"
+    d = _linear_derivative(term, t, y, args, api, None if any_size else g_struct.size)
+    if d is None:
+        return None
+    out_struct = jax.eval_shape(lambda y, c: term.vf_prod(t, y, args, c), y, control)
+    ((yq,), (c,)) = jtu.tree_leaves(y), jtu.tree_leaves(control)
+    (out_leaf,) = jtu.tree_leaves(out_struct)
+    big = jnp.size(d.val) > g_struct.size
+    val = _control_first(d, c, yq, jnp.ndim(yq), big)
+    out = jnp.broadcast_to(val, out_leaf.shape).astype(out_leaf.dtype)
     return jtu.tree_unflatten(jtu.tree_structure(out_struct), [out])
 
 
@@ -608,7 +644,16 @@ def stratonovich_milstein_correction(term, t, y, args, g_prod, dw):
             for r in range(n_y):
                 d = dblocks[q * n_c + p][r]
                 if d is not None and jnp.size(ell_to_plain(d).val) > jnp.size(matrix[r * n_c + p]):
-                    return None
+                    # Bigger than g: for g = D y, (D c)(g c), sharing D c with the step's
+                    # g c (`linear_diffusion_prod(..., any_size=True)`); otherwise the JVP.
+                    d = _linear_derivative(term, t, y, args, api)
+                    if d is None:
+                        return None
+                    ((yq,), (c,), (v,)) = (jtu.tree_leaves(x) for x in (y, dw, g_prod))
+                    v = jnp.asarray(v, jnp.result_type(yq))
+                    val = _control_first(d, c, v, jnp.ndim(yq), big=True)
+                    out = jnp.broadcast_to(val, jnp.shape(v)).astype(jnp.result_type(v))
+                    return jtu.tree_unflatten(jtu.tree_structure(g_prod), [out])
     g_leaves = jtu.tree_leaves(g_prod)
     dw_leaves = jtu.tree_leaves(dw)
     return _contract_derivative(

@@ -6,6 +6,7 @@ rounding), exact solutions of geometric Brownian motion for the strong order, a 
 `RecursiveCheckpointAdjoint`) for gradients.
 """
 
+import functools
 import re
 
 import jax
@@ -75,6 +76,12 @@ def _vf_general_linear(t, y, args):
     return jnp.einsum("ijk,k->ij", _B_GENERAL, y)
 
 
+def _vf_general_nonlinear(t, y, args):
+    # A derivative stored bigger than g that depends on y: the JVP reads B once, as a
+    # contraction of the derivative would.
+    return jnp.einsum("ijk,k->ij", _B_GENERAL, jnp.tanh(y))
+
+
 def _vf_row_scaled(t, y, args):
     # g_ij = f(y_i) G_ij: a derivative that stores no more numbers than g (a delta times
     # G), so the Itô correction contracts it term by term, not with one formed matrix.
@@ -101,6 +108,7 @@ DIFFUSIONS = {
     "additive": (_vf_additive, (2,)),
     "commuting_linear": (_vf_commuting_linear, (D,)),
     "general_linear": (_vf_general_linear, (D,)),
+    "general_nonlinear": (_vf_general_nonlinear, (D,)),
     "row_scaled": (_vf_row_scaled, (D,)),
     "row_scaled_linear": (_vf_row_scaled_linear, (D,)),
     "column_scaled_linear": (_vf_column_scaled_linear, (D,)),
@@ -386,7 +394,15 @@ def test_ito_milstein_correction_against_jacfwd(name, dtype):
 
 
 @pytest.mark.parametrize(
-    "name", ["diagonal_dense", "row_scaled", "row_scaled_linear", "column_scaled_linear"]
+    "name",
+    [
+        "diagonal_dense",
+        "row_scaled",
+        "row_scaled_linear",
+        "column_scaled_linear",
+        "general_linear",
+        "commuting_linear",
+    ],
 )
 def test_stratonovich_milstein_correction_against_jacfwd(name):
     # The symmetric double sum, from the dense Jacobian (the Itô one with dt = 0).
@@ -452,12 +468,11 @@ def test_ito_step_samples_the_increment_once():
     assert max(sizes) < d * m, roots
 
 
-@pytest.mark.parametrize(
-    "name", ["general_linear", "commuting_linear", "diagonal_lineax", "scalar_1", "additive"]
-)
+@pytest.mark.parametrize("name", ["general_nonlinear", "diagonal_lineax", "scalar_1", "additive"])
 def test_stratonovich_milstein_correction_leaves_the_rest_to_the_jvp(name):
-    # A derivative stored bigger than g (g = A y: both read A once) or simple noise: the
-    # one JVP is no dearer.
+    # A derivative stored bigger than g that depends on y (the JVP reads what it is made
+    # of once, where the contraction would first form it) or simple noise: the one JVP is
+    # no dearer.
     vf, shape = DIFFUSIONS[name]
     diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
     y = jnp.array([0.7, -1.1, 0.4])
@@ -527,33 +542,68 @@ def test_sum_of_squares_is_a_reduction():
 
 
 @pytest.mark.parametrize(
-    "name, applies",
+    "name, applies, any_size",
     [
-        ("row_scaled_linear", True),
-        ("column_scaled_linear", True),
-        ("general_linear", False),  # A y: the derivative A is bigger than g
-        ("commuting_linear", False),
-        ("row_scaled", False),  # sin(y_i) G_ij: not linear
-        ("diagonal_dense", False),
-        ("diagonal_lineax", False),
-        ("additive", False),
+        ("row_scaled_linear", True, True),
+        ("column_scaled_linear", True, True),
+        # A y: the derivative A is bigger than g; only where asked (the Stratonovich step).
+        ("general_linear", False, True),
+        ("commuting_linear", False, True),
+        ("general_nonlinear", False, False),  # bigger and not linear
+        ("row_scaled", False, False),  # sin(y_i) G_ij: not linear
+        ("diagonal_dense", False, False),
+        ("diagonal_lineax", False, False),
+        ("additive", False, False),
     ],
 )
-def test_linear_diffusion_prod(name, applies):
-    # g(y) dW without forming g, for a linear diffusion with a compactly stored derivative:
-    # against the term's own `vf_prod`.
+def test_linear_diffusion_prod(name, applies, any_size):
+    # g(y) dW without forming g, for a linear diffusion: against the term's own `vf_prod`.
     vf, shape = DIFFUSIONS[name]
     diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
     y = jnp.array([0.7, -1.1, 0.4])
     dw = jr.normal(jr.key(1), shape)
-    got = _term_module.linear_diffusion_prod(diffusion, 0.3, y, None, dw)
-    if not applies:
-        assert got is None
-        return
     expected = diffusion.vf_prod(0.3, y, None, dw)
-    assert got.shape == expected.shape and got.dtype == expected.dtype
-    np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-14)
     assert np.max(np.abs(expected)) > 1e-3
+    for any_size_ in (False, True):
+        got = _term_module.linear_diffusion_prod(diffusion, 0.3, y, None, dw, any_size=any_size_)
+        if not (applies or (any_size and any_size_)):
+            assert got is None, any_size_
+            continue
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-14)
+
+
+def test_stratonovich_step_reads_a_once():
+    # g = A y: the Stratonovich step is y + f dt + (A dW) y + (A dW)(A dW) y / 2, so in the
+    # compiled step one instruction reads A (the matrix A dW, shared by both products),
+    # where g and then the JVP along g dW read it twice. Against Diffrax's step, too.
+    d = m = 6
+    A = jr.normal(jr.key(0), (d, m, d)) / d
+    vf = lambda t, y, A: jnp.einsum("imk,k->im", A, y)  # noqa: E731
+
+    def step(solver, y, A, key):
+        bm = dfx.UnsafeBrownianPath((m,), key)
+        terms = dfx.MultiTerm(dfx.ODETerm(lambda t, y, A: -y), dfx.ControlTerm(vf, bm))
+        state = solver.init(terms, 0.0, 0.01, y, A)
+        return solver.step(terms, 0.0, 0.01, y, A, state, False)[0]
+
+    ours = jax.jit(functools.partial(step, dl.StratonovichMilstein()))
+    theirs = jax.jit(functools.partial(step, dfx.StratonovichMilstein()))
+    y, key = jnp.linspace(0.5, 1.5, d), jr.key(1)
+    np.testing.assert_allclose(ours(y, A, key), theirs(y, A, key), rtol=1e-12, atol=1e-14)
+    if jax.default_backend() != "cpu":
+        pytest.skip("the instructions counted below are XLA's CPU backend's")
+    entry = ours.lower(y, A, key).compile().as_text().split("\nENTRY ", 1)[1]
+    (param,) = re.findall(r"%(\S+) = f64\[6,6,6\]\{[\d,]+\} parameter", entry)
+    names = {param} | set(re.findall(rf"%(\S+) = \S+ bitcast\(%{re.escape(param)}\)", entry))
+    readers = [
+        line
+        for line in entry.splitlines()
+        if " = " in line
+        and " bitcast(" not in line
+        and any(re.search(rf"%{re.escape(n)}\b", line.split(" = ", 1)[1]) for n in names)
+    ]
+    assert len(readers) == 1, readers
 
 
 def test_linear_diffusion_prod_forms_no_matrix():

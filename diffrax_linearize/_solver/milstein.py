@@ -212,7 +212,8 @@ def _milstein_parts(
 
     f0_prod = drift.vf_prod(t0, y0, args, dt)
     # For a linear diffusion with a compactly stored derivative, without forming g.
-    g0_prod = linear_diffusion_prod(diffusion, t0, y0, args, dw)
+    # (The Stratonovich step also where the derivative is bigger than g: it needs no g.)
+    g0_prod = linear_diffusion_prod(diffusion, t0, y0, args, dw, any_size=not ito)
     if g0_prod is None:
         g0_prod = diffusion.vf_prod(t0, y0, args, dw)
 
@@ -224,7 +225,8 @@ def _milstein_parts(
         correction = ito_milstein_correction(diffusion, t0, y0, args, g0_prod, dw, dt)
     else:
         # For general noise with a compactly stored derivative, one matrix-vector product
-        # with it instead of a JVP that forms a d x m array.
+        # with it instead of a JVP that forms a d x m array; for g = A y, (A dw) applied to
+        # g0_prod, the matrix A dw shared with g0_prod's (one pass over A in all).
         correction = stratonovich_milstein_correction(diffusion, t0, y0, args, g0_prod, dw)
     if correction is None:
         _, sym_prod = jax.jvp(lambda _y: diffusion.vf_prod(t0, _y, args, dw), (y0,), (g0_prod,))
