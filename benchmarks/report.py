@@ -143,7 +143,11 @@ WHAT = {
     "linear_crossover": "`StructuredLinearSolver`'s structured paths against dense LU, per "
     "operator kind and size: the cost of a factorisation and one solve, and of a solve, inside "
     "a compiled loop (single-threaded CPU, float64); and POLLU end to end.",
-    "step_cost": "One jitted `solver.step`, d = m, for three diffusions.",
+    "step_cost": "One jitted `solver.step`, d = m, for three diffusions. For `dense_linear` "
+    "(g(y) = A y, A of d * m * d numbers) the Itô step reads A twice, to form g and then "
+    "for its correction's one contraction (which needs g), where the Euler step reads it "
+    "once: where reading A dominates (d = 1024, A is 4 GiB in float32) two Euler steps are "
+    "its floor. The Stratonovich step reads A once (docs: Milstein, why it is faster).",
     "materialise": "`materialise` of linear maps and layers against `jax.jacfwd`.",
     "structure": "The Jacobian of a vector field with sparse structure, from `materialise`, "
     "`jax.jacfwd` and asdex (detection and colouring timed apart).",
