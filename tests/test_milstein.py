@@ -573,28 +573,34 @@ def test_linear_diffusion_prod(name, applies, any_size):
         np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-14)
 
 
-def test_stratonovich_step_reads_a_once():
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_stratonovich_step_reads_a_once(dtype):
     # g = A y: the Stratonovich step is y + f dt + (A dW) y + (A dW)(A dW) y / 2, so in the
     # compiled step one instruction reads A (the matrix A dW, shared by both products),
     # where g and then the JVP along g dW read it twice. Against Diffrax's step, too.
     d = m = 6
-    A = jr.normal(jr.key(0), (d, m, d)) / d
+    A = jr.normal(jr.key(0), (d, m, d), dtype) / d
     vf = lambda t, y, A: jnp.einsum("imk,k->im", A, y)  # noqa: E731
 
     def step(solver, y, A, key):
-        bm = dfx.UnsafeBrownianPath((m,), key)
+        bm = dfx.UnsafeBrownianPath(jax.ShapeDtypeStruct((m,), dtype), key)
         terms = dfx.MultiTerm(dfx.ODETerm(lambda t, y, A: -y), dfx.ControlTerm(vf, bm))
         state = solver.init(terms, 0.0, 0.01, y, A)
         return solver.step(terms, 0.0, 0.01, y, A, state, False)[0]
 
     ours = jax.jit(functools.partial(step, dl.StratonovichMilstein()))
     theirs = jax.jit(functools.partial(step, dfx.StratonovichMilstein()))
-    y, key = jnp.linspace(0.5, 1.5, d), jr.key(1)
-    np.testing.assert_allclose(ours(y, A, key), theirs(y, A, key), rtol=1e-12, atol=1e-14)
+    y, key = jnp.linspace(0.5, 1.5, d, dtype=dtype), jr.key(1)
+    got, expected = ours(y, A, key), theirs(y, A, key)
+    # (Both promote to float64 here, through the drift's dt from Python float times.)
+    assert got.dtype == expected.dtype
+    tol = 1e-12 if dtype == jnp.float64 else 1e-5
+    np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
     if jax.default_backend() != "cpu":
         pytest.skip("the instructions counted below are XLA's CPU backend's")
     entry = ours.lower(y, A, key).compile().as_text().split("\nENTRY ", 1)[1]
-    (param,) = re.findall(r"%(\S+) = f64\[6,6,6\]\{[\d,]+\} parameter", entry)
+    kind = jnp.dtype(dtype).name.replace("float", "f")
+    (param,) = re.findall(rf"%(\S+) = {kind}\[6,6,6\]\{{[\d,]+\}} parameter", entry)
     names = {param} | set(re.findall(rf"%(\S+) = \S+ bitcast\(%{re.escape(param)}\)", entry))
     readers = [
         line
