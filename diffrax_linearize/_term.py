@@ -517,17 +517,12 @@ def _linear_trace(d, y, nq: int):
     return jnp.broadcast_to(val, jnp.shape(y))
 
 
-def _linear_derivative(term, t, y, args, api: str, max_size: int | None = None):
-    """The one (plain) block of the structured derivative $D$ of a diffusion linear in the
-    one state array `y`, with one control array (general noise, real), storing at most
-    `max_size` numbers if given, or `None`."""
-    if _is_complex(term, t, y, args):
-        return None
+def _linear_block(term, t, y, args, dblocks, max_size: int | None = None):
+    """The one (plain) block of `dblocks`, the structured derivative $D$ of the term's
+    matrix, where the term has one state array `y` and one control array, is linear in
+    `y`, and the block stores at most `max_size` numbers if given; else `None`."""
     if len(jtu.tree_leaves(y)) != 1 or len(jtu.tree_leaves(control_zeros(term, t))) != 1:
         return None
-    if _noise_structure(term, t, y, args, api) != "general":
-        return None
-    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
     d = dblocks[0][0]
     if d is None:
         return None
@@ -583,9 +578,11 @@ def linear_diffusion_prod(term, t, y, args, control, *, any_size: bool = False):
         return None
     if len(jtu.tree_leaves(y)) != 1 or len(jtu.tree_leaves(control)) != 1:
         return None
+    if _noise_structure(term, t, y, args, "diffrax_linearize.ItoMilstein") != "general":
+        return None
     (g_struct,) = jtu.tree_leaves(jax.eval_shape(lambda y: materialise(term, t, y, args), y))
-    api = "diffrax_linearize.ItoMilstein"
-    d = _linear_derivative(term, t, y, args, api, None if any_size else g_struct.size)
+    dblocks, _, _ = structured_blocks(_dense_matrix_flat(term, t, args), y)
+    d = _linear_block(term, t, y, args, dblocks, None if any_size else g_struct.size)
     if d is None:
         return None
     out_struct = jax.eval_shape(lambda y, c: term.vf_prod(t, y, args, c), y, control)
@@ -646,7 +643,7 @@ def stratonovich_milstein_correction(term, t, y, args, g_prod, dw):
                 if d is not None and jnp.size(ell_to_plain(d).val) > jnp.size(matrix[r * n_c + p]):
                     # Bigger than g: for g = D y, (D c)(g c), sharing D c with the step's
                     # g c (`linear_diffusion_prod(..., any_size=True)`); otherwise the JVP.
-                    d = _linear_derivative(term, t, y, args, api)
+                    d = _linear_block(term, t, y, args, dblocks)
                     if d is None:
                         return None
                     ((yq,), (c,), (v,)) = (jtu.tree_leaves(x) for x in (y, dw, g_prod))
