@@ -37,11 +37,10 @@ CONFIGS = {"XLA default": "", "fusion emitters off": FLAG}
 
 
 def _workloads(quick: bool):
-    """name -> (function to jit, args). Imports here: the parent never starts JAX's backend
-    (its `XLA_FLAGS` would be fixed for the children's comparison otherwise)."""
+    """name -> (function to jit, args), built in the child only: `benchmarks.report` imports
+    this module for its table and need not import the solvers."""
     import diffrax
     import diffrax_linearize as dl
-    import jax
     import jax.numpy as jnp
     import jax.random as jr
 
@@ -102,7 +101,6 @@ def _workloads(quick: bool):
         lambda p, x, lab: dl.value_grad_and_sum_squared_grads(loss, p, x, lab),
         (params, x, label),
     )
-    del jax
     return out
 
 
@@ -176,12 +174,10 @@ def run(quick: bool = False, rounds: int | None = None, min_time: float = 1.0) -
                 rows = _spawn(config, quick, outdir, min_time)
                 print(f"  round {r + 1}, {config}: {time.perf_counter() - t0:.1f} s", flush=True)
                 names = list(rows)
-                outs = [np.load(outdir / f"{i}.npy") for i in range(len(names))]
                 for name, row in rows.items():
                     times.setdefault((name, config), []).append(row)
-                if config in first_out:
-                    continue
-                first_out[config] = outs
+                if config not in first_out:
+                    first_out[config] = [np.load(outdir / f"{i}.npy") for i in range(len(names))]
         ref, other = (first_out[c] for c in CONFIGS)
         for i, name in enumerate(names):
             diffs[name] = _rel_diff(other[i], ref[i])
