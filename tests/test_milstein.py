@@ -426,6 +426,19 @@ def test_materialised_is_exact(dtype):
     np.testing.assert_array_equal(got, x)
 
 
+def _dense_linear_vf(t, y, A):
+    return jnp.einsum("imk,k->im", A, y)
+
+
+def _dense_linear_step(solver, y, A, key):
+    """One step of `solver` on dy = -y dt + (A y) dW, with an `UnsafeBrownianPath` of
+    A's dtype (one `normal`)."""
+    bm = dfx.UnsafeBrownianPath(jax.ShapeDtypeStruct((A.shape[1],), A.dtype), key)
+    terms = dfx.MultiTerm(dfx.ODETerm(lambda t, y, A: -y), dfx.ControlTerm(_dense_linear_vf, bm))
+    state = solver.init(terms, 0.0, 0.01, y, A)
+    return solver.step(terms, 0.0, 0.01, y, A, state, False)[0]
+
+
 def test_ito_step_samples_the_increment_once():
     # g = A y: the one contraction forms W = (g dW) dW^T - dt g, d x m. In the compiled
     # step no fusion that writes d*m numbers may compute the increment's sampling (the
@@ -433,15 +446,8 @@ def test_ito_step_samples_the_increment_once():
     # product, repeating them per entry, unless dW comes through `_materialised`.
     d = m = 6
     A = jr.normal(jr.key(0), (d, m, d)) / d
-    vf = lambda t, y, A: jnp.einsum("imk,k->im", A, y)  # noqa: E731
-
-    def step(y, A, key):
-        bm = dfx.UnsafeBrownianPath((m,), key)
-        terms = dfx.MultiTerm(dfx.ODETerm(lambda t, y, A: -y), dfx.ControlTerm(vf, bm))
-        solver = dl.ItoMilstein()
-        state = solver.init(terms, 0.0, 0.01, y, A)
-        return solver.step(terms, 0.0, 0.01, y, A, state, False)[0]
-
+    vf = _dense_linear_vf
+    step = functools.partial(_dense_linear_step, dl.ItoMilstein())
     y, key = jnp.linspace(0.5, 1.5, d), jr.key(1)
     dw = dfx.UnsafeBrownianPath((m,), key).evaluate(0.0, 0.01)
     g_prod = vf(0.0, y, A) @ dw
@@ -580,16 +586,8 @@ def test_stratonovich_step_reads_a_once(dtype):
     # where g and then the JVP along g dW read it twice. Against Diffrax's step, too.
     d = m = 6
     A = jr.normal(jr.key(0), (d, m, d), dtype) / d
-    vf = lambda t, y, A: jnp.einsum("imk,k->im", A, y)  # noqa: E731
-
-    def step(solver, y, A, key):
-        bm = dfx.UnsafeBrownianPath(jax.ShapeDtypeStruct((m,), dtype), key)
-        terms = dfx.MultiTerm(dfx.ODETerm(lambda t, y, A: -y), dfx.ControlTerm(vf, bm))
-        state = solver.init(terms, 0.0, 0.01, y, A)
-        return solver.step(terms, 0.0, 0.01, y, A, state, False)[0]
-
-    ours = jax.jit(functools.partial(step, dl.StratonovichMilstein()))
-    theirs = jax.jit(functools.partial(step, dfx.StratonovichMilstein()))
+    ours = jax.jit(functools.partial(_dense_linear_step, dl.StratonovichMilstein()))
+    theirs = jax.jit(functools.partial(_dense_linear_step, dfx.StratonovichMilstein()))
     y, key = jnp.linspace(0.5, 1.5, d, dtype=dtype), jr.key(1)
     got, expected = ours(y, A, key), theirs(y, A, key)
     # (Both promote to float64 here, through the drift's dt from Python float times.)
