@@ -564,10 +564,17 @@ def _(operator):
     return operator._pattern_within(0, operator.in_size())
 
 
-# Properties that the structure does not decide are reported as unknown (`False`), as
-# lineax does for untagged operators.
+# An ELLPACK pattern's padding slots hold zeros in arbitrary columns, so the pattern
+# decides nothing, except for a 1 x 1 matrix, which is diagonal (as lineax reports for
+# its own untagged operators of one entry).
 @_register(lx.is_diagonal, SparseLinearOperator)
 @_register(lx.is_tridiagonal, SparseLinearOperator)
+def _(operator):
+    return operator.in_size() == 1 and operator.out_size() == 1
+
+
+# Properties that the structure does not decide are reported as unknown (`False`), as
+# lineax does for untagged operators.
 @_register(lx.is_symmetric, *_OPERATORS)
 @_register(lx.has_unit_diagonal, *_OPERATORS)
 @_register(lx.is_lower_triangular, BlockDiagonalLinearOperator, SparseLinearOperator)

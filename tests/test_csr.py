@@ -399,6 +399,24 @@ def test_handmade_operator():
     assert not lx.is_upper_triangular(tri) and not lx.is_diagonal(tri)
 
 
+def test_one_by_one_operators_are_diagonal():
+    # As lineax reports for its own untagged operators of one entry (found by Lineax's
+    # `test_is_diagonal_scalar`, `tests/lineax_suite.py`): an ELLPACK pattern decides
+    # nothing else, its padding holding zeros in arbitrary columns.
+    struct = jax.ShapeDtypeStruct((1,), jnp.float64)
+    one = dl.SparseLinearOperator(jnp.array([[2.0]]), np.array([[0]]), struct)
+    assert lx.is_diagonal(one) and lx.is_tridiagonal(one)
+    assert lx.is_diagonal(lx.MatrixLinearOperator(jnp.array([[2.0]])))
+    # Diagonal in its values, but a padded pattern says nothing: unknown (`False`).
+    wide = dl.SparseLinearOperator(
+        jnp.array([[2.0, 0.0], [3.0, 0.0]]), np.array([[0, 1], [0, 0]]),
+        jax.ShapeDtypeStruct((2,), jnp.float64),
+    )  # fmt: skip
+    assert not lx.is_diagonal(wide) and not lx.is_tridiagonal(wide)
+    csr = dl.CSRLinearOperator(jnp.array([2.0]), np.array([0]), np.array([0, 1]), struct)
+    assert lx.is_diagonal(csr)
+
+
 def test_operator_errors():
     struct = jax.ShapeDtypeStruct((3,), jnp.float64)
     with pytest.raises(ValueError, match="more than once"):
