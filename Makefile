@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-sweep test-latest test-diffrax bench docs chromium check-wheel lint clean
+.PHONY: demo test test-slow test-sweep test-latest test-diffrax test-lineax bench docs chromium check-wheel lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,13 @@ test-diffrax: $(STAMP)
 	$(PY) tests/diffrax_suite.py --stiff -q -rfEx || rc=1; \
 	exit $$rc
 
+# Lineax 0.1.1's own operator and solver tests with our four operators and
+# StructuredLinearSolver added to theirs (not part of `make test`; see
+# tests/lineax_suite.py for where the tests come from: LINEAX_GIT=/path/to/lineax-clone or
+# LINEAX_TESTS=/path/to/tests). Record in docs/devdocs/lineax_tests.md.
+test-lineax: $(STAMP)
+	$(PY) tests/lineax_suite.py -q -n $(TEST_WORKERS) -rfEX
+
 # The site, then the checks on it (tests/test_site.py): every public name described, no
 # network requests, and the maths typeset offline in a headless Chromium (screenshot in
 # build/docs-check/).
@@ -99,4 +106,4 @@ check-wheel: $(STAMP)
 		print('import diffrax_linearize', dl.__version__, 'from', dl.__file__)"
 
 clean:
-	rm -rf $(VENV) .venv-latest site build .pytest_cache .ruff_cache .diffrax-tests
+	rm -rf $(VENV) .venv-latest site build .pytest_cache .ruff_cache .diffrax-tests .lineax-tests
