@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-sweep test-latest test-diffrax test-lineax bench docs chromium check-wheel lint clean
+.PHONY: demo test test-slow test-sweep test-latest test-diffrax test-lineax test-optimistix bench docs chromium check-wheel lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ test-diffrax: $(STAMP)
 test-lineax: $(STAMP)
 	$(PY) tests/lineax_suite.py -q -n $(TEST_WORKERS) -rfEX
 
+# Optimistix 0.1.0's root-finding tests with our VeryChord and Newton added to their root
+# finders (tests/optimistix_suite.py; OPTIMISTIX_GIT=... or OPTIMISTIX_TESTS=...).
+test-optimistix: $(STAMP)
+	$(PY) tests/optimistix_suite.py -q -n $(TEST_WORKERS) -rfEX
+
 # The site, then the checks on it (tests/test_site.py): every public name described, no
 # network requests, and the maths typeset offline in a headless Chromium (screenshot in
 # build/docs-check/).
@@ -106,4 +111,4 @@ check-wheel: $(STAMP)
 		print('import diffrax_linearize', dl.__version__, 'from', dl.__file__)"
 
 clean:
-	rm -rf $(VENV) .venv-latest site build .pytest_cache .ruff_cache .diffrax-tests .lineax-tests
+	rm -rf $(VENV) .venv-latest site build .pytest_cache .ruff_cache .diffrax-tests .lineax-tests .optimistix-tests

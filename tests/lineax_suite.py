@@ -40,12 +40,8 @@ selection without ours, as a baseline. The result is recorded in
 `docs/devdocs/lineax_tests.md`.
 """
 
-import hashlib
 import os
-import pathlib
-import subprocess
 import sys
-import tempfile
 
 
 TAG = "v0.1.1"
@@ -68,11 +64,8 @@ BLOBS = {
     "test_vmap_jvp.py": "ec280974cfd30697245dd9ec93abadd237d22ca4",
     "test_vmap_vmap.py": "8e2b98d6eeb38a1b4389100e9e9498b3f4636892",
 }
-SELECTION = [f"tests/{name}" for name in BLOBS if name.startswith("test_")]
 # Lineax's tests that loop over every operator of `make_operators` inside one test.
 WHOLE = ("tests/test_operator.py::",)
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # ---- our operators, built from a test's matrix
 
@@ -286,66 +279,10 @@ def pytest_report_header(config):
 # ---- the driver
 
 
-def _blob_hash(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def _fetch(dest: pathlib.Path) -> None:
-    """Lineax's `tests/` files into `dest`, from the first source that is given."""
-    if "LINEAX_TESTS" in os.environ:
-        source = pathlib.Path(os.environ["LINEAX_TESTS"])
-        for name in BLOBS:
-            (dest / name).write_bytes((source / name).read_bytes())
-        return
-    if "LINEAX_GIT" in os.environ:
-        git_dir = pathlib.Path(os.environ["LINEAX_GIT"])
-    else:
-        git_dir = ROOT / ".lineax-tests"
-        if not git_dir.exists():
-            clone = ["git", "clone", "-q", "--depth", "1", "--branch", TAG, REPO, str(git_dir)]
-            if subprocess.run(clone).returncode != 0:
-                sys.exit(
-                    f"Could not clone {REPO} at {TAG}. Lineax's tests are not on PyPI (the "
-                    "sdist holds the package alone): pass a clone with LINEAX_GIT=... or "
-                    "the test folder with LINEAX_TESTS=..."
-                )
-    if (git_dir / ".git").exists():
-        git_dir = git_dir / ".git"
-    for name in BLOBS:
-        data = subprocess.run(
-            ["git", f"--git-dir={git_dir}", "show", f"{TAG}:tests/{name}"],
-            capture_output=True,
-            check=True,
-        ).stdout
-        (dest / name).write_bytes(data)
-
-
 def main(argv: list[str]) -> int:
-    import importlib.metadata
+    from outside_suite import run
 
-    installed = importlib.metadata.version("lineax")
-    if f"v{installed}" != TAG:
-        sys.exit(
-            f"Lineax {TAG}'s tests need lineax {TAG[1:]} installed, not {installed} "
-            "(`constraints.txt` pins it; `make test-lineax` installs it)."
-        )
-    with tempfile.TemporaryDirectory(prefix="lineax-suite-") as tmp:
-        tests = pathlib.Path(tmp) / "tests"
-        tests.mkdir()
-        _fetch(tests)
-        for name, blob in BLOBS.items():
-            actual = _blob_hash((tests / name).read_bytes())
-            if actual != blob:
-                sys.exit(f"tests/{name} is not Lineax {TAG}'s (git blob {actual}, not {blob}).")
-        # Our own pytest configuration (`-m 'not slow'`, `testpaths`) must not apply.
-        (pathlib.Path(tmp) / "pytest.ini").write_text("[pytest]\n")
-        env = dict(os.environ)
-        # The temporary folder first, so that `tests` is Lineax's package, not ours.
-        env["PYTHONPATH"] = os.pathsep.join([tmp, str(ROOT / "tests"), str(ROOT)])
-        command = [sys.executable, "-m", "pytest", "-p", "lineax_suite", "-p", "no:cacheprovider"]
-        command += SELECTION + argv
-        print("+", " ".join(command), flush=True)
-        return subprocess.run(command, cwd=tmp, env=env).returncode
+    return run("lineax_suite", "lineax", REPO, TAG, BLOBS, argv)
 
 
 if __name__ == "__main__":

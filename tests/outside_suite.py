@@ -1,0 +1,83 @@
+"""What the drivers of the outside test suites share (`lineax_suite.py`,
+`optimistix_suite.py`): a library's `tests/` files at a release tag, read from a git
+repository and checked against their git blob hashes, then run by pytest in a temporary
+folder with the suite's module as a plugin."""
+
+import hashlib
+import importlib.metadata
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _blob_hash(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _fetch(dest: pathlib.Path, package: str, repo: str, tag: str, blobs: dict) -> None:
+    """`blobs`' files of the `tests/` folder of `package` at `tag` into `dest`, from the
+    first source given: `<PACKAGE>_TESTS` (a folder of those files), `<PACKAGE>_GIT` (a
+    clone or bare git directory with the tag), or a shallow clone of `repo` into
+    `.<package>-tests/`."""
+    prefix = package.upper()
+    if f"{prefix}_TESTS" in os.environ:
+        source = pathlib.Path(os.environ[f"{prefix}_TESTS"])
+        for name in blobs:
+            (dest / name).write_bytes((source / name).read_bytes())
+        return
+    if f"{prefix}_GIT" in os.environ:
+        git_dir = pathlib.Path(os.environ[f"{prefix}_GIT"])
+    else:
+        git_dir = ROOT / f".{package}-tests"
+        if not git_dir.exists():
+            clone = ["git", "clone", "-q", "--depth", "1", "--branch", tag, repo, str(git_dir)]
+            if subprocess.run(clone).returncode != 0:
+                sys.exit(
+                    f"Could not clone {repo} at {tag}. The tests of {package} are not on PyPI "
+                    f"(its sdist holds the package alone): pass a clone with {prefix}_GIT=... "
+                    f"or the test folder with {prefix}_TESTS=..."
+                )
+    if (git_dir / ".git").exists():
+        git_dir = git_dir / ".git"
+    for name in blobs:
+        data = subprocess.run(
+            ["git", f"--git-dir={git_dir}", "show", f"{tag}:tests/{name}"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        (dest / name).write_bytes(data)
+
+
+def run(plugin: str, package: str, repo: str, tag: str, blobs: dict, argv: list[str]) -> int:
+    """`pytest -p plugin` on the test files of `blobs`, read as `_fetch` says and checked
+    against their blob hashes, with `argv` appended; the installed `package` must be the
+    release of `tag`."""
+    installed = importlib.metadata.version(package)
+    if f"v{installed}" != tag:
+        sys.exit(
+            f"The tests of {package} {tag} need {package} {tag[1:]} installed, not "
+            f"{installed} (`constraints.txt` pins it; `make test-{package}` installs it)."
+        )
+    with tempfile.TemporaryDirectory(prefix=f"{package}-suite-") as tmp:
+        tests = pathlib.Path(tmp) / "tests"
+        tests.mkdir()
+        _fetch(tests, package, repo, tag, blobs)
+        for name, blob in blobs.items():
+            actual = _blob_hash((tests / name).read_bytes())
+            if actual != blob:
+                sys.exit(f"tests/{name} is not {package} {tag}'s (git blob {actual}, not {blob}).")
+        # Our own pytest configuration (`-m 'not slow'`, `testpaths`) must not apply.
+        (pathlib.Path(tmp) / "pytest.ini").write_text("[pytest]\n")
+        env = dict(os.environ)
+        # The temporary folder first, so that `tests` is the library's package, not ours.
+        env["PYTHONPATH"] = os.pathsep.join([tmp, str(ROOT / "tests"), str(ROOT)])
+        selection = [f"tests/{name}" for name in blobs if name.startswith("test_")]
+        command = [sys.executable, "-m", "pytest", "-p", plugin, "-p", "no:cacheprovider"]
+        command += selection + argv
+        print("+", " ".join(command), flush=True)
+        return subprocess.run(command, cwd=tmp, env=env).returncode
