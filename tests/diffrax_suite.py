@@ -74,10 +74,8 @@ method (and one harness mismatch) are strict xfails with the exception they must
 Diffrax's own solvers, as a baseline.
 """
 
-import hashlib
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -511,43 +509,9 @@ def _qualname(obj) -> str:
 # ---- the driver
 
 
-def _blob_hash(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def _fetch(dest: pathlib.Path) -> None:
-    """Diffrax's `test/` files into `dest`, from the first source that is given."""
-    if "DIFFRAX_TESTS" in os.environ:
-        source = pathlib.Path(os.environ["DIFFRAX_TESTS"])
-        for name in BLOBS:
-            shutil.copy(source / name, dest / name)
-        return
-    if "DIFFRAX_GIT" in os.environ:
-        git_dir = pathlib.Path(os.environ["DIFFRAX_GIT"])
-    else:
-        git_dir = ROOT / ".diffrax-tests"
-        if not git_dir.exists():
-            clone = ["git", "clone", "-q", "--depth", "1", "--branch", TAG, REPO, str(git_dir)]
-            if subprocess.run(clone).returncode != 0:
-                sys.exit(
-                    f"Could not clone {REPO} at {TAG}. Diffrax's tests are not on PyPI (the "
-                    "sdist holds the package alone): pass a clone with DIFFRAX_GIT=... or "
-                    "the test folder with DIFFRAX_TESTS=..."
-                )
-    for name in BLOBS:
-        data = subprocess.run(
-            ["git", f"--git-dir={_git_dir(git_dir)}", "show", f"{TAG}:test/{name}"],
-            capture_output=True,
-            check=True,
-        ).stdout
-        (dest / name).write_bytes(data)
-
-
-def _git_dir(path: pathlib.Path) -> pathlib.Path:
-    return path / ".git" if (path / ".git").exists() else path
-
-
 def main(argv: list[str]) -> int:
+    from outside_suite import fetch
+
     selection, deselected, env = SELECTION, DESELECTED, dict(os.environ)
     env.pop("DIFFRAX_SUITE_ROOT_FINDER", None)
     env.pop("DIFFRAX_SUITE_STIFF", None)
@@ -564,11 +528,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="diffrax-suite-") as tmp:
         tests = pathlib.Path(tmp) / "test"
         tests.mkdir()
-        _fetch(tests)
-        for name, blob in BLOBS.items():
-            actual = _blob_hash((tests / name).read_bytes())
-            if actual != blob:
-                sys.exit(f"test/{name} is not Diffrax {TAG}'s (git blob {actual}, not {blob}).")
+        fetch(tests, "diffrax", REPO, TAG, BLOBS, folder="test")
         # Our own pytest configuration (`-m 'not slow'`, `testpaths`) must not apply.
         (pathlib.Path(tmp) / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow\n")
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])

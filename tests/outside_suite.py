@@ -1,7 +1,7 @@
-"""What the drivers of the outside test suites share (`lineax_suite.py`,
-`optimistix_suite.py`): a library's `tests/` files at a release tag, read from a git
-repository and checked against their git blob hashes, then run by pytest in a temporary
-folder with the suite's module as a plugin."""
+"""What the drivers of the outside test suites share: a library's test files at a release
+tag, read from a git repository and checked against their git blob hashes (`fetch`, for
+`diffrax_suite.py`, `lineax_suite.py` and `optimistix_suite.py`), then run by pytest in a
+temporary folder with the suite's module as a plugin (`run`, for the latter two)."""
 
 import hashlib
 import importlib.metadata
@@ -19,16 +19,19 @@ def _blob_hash(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _fetch(dest: pathlib.Path, package: str, repo: str, tag: str, blobs: dict) -> None:
-    """`blobs`' files of the `tests/` folder of `package` at `tag` into `dest`, from the
-    first source given: `<PACKAGE>_TESTS` (a folder of those files), `<PACKAGE>_GIT` (a
+def fetch(
+    dest: pathlib.Path, package: str, repo: str, tag: str, blobs: dict, folder: str = "tests"
+) -> None:
+    """`blobs`' files of the test folder (`folder`) of `package` at `tag` into `dest`, from
+    the first source given: `<PACKAGE>_TESTS` (a folder of those files), `<PACKAGE>_GIT` (a
     clone or bare git directory with the tag), or a shallow clone of `repo` into
-    `.<package>-tests/`."""
+    `.<package>-tests/`; then each file checked against its git blob hash in `blobs`."""
     prefix = package.upper()
     if f"{prefix}_TESTS" in os.environ:
         source = pathlib.Path(os.environ[f"{prefix}_TESTS"])
         for name in blobs:
             (dest / name).write_bytes((source / name).read_bytes())
+        _check(dest, package, tag, blobs, folder)
         return
     if f"{prefix}_GIT" in os.environ:
         git_dir = pathlib.Path(os.environ[f"{prefix}_GIT"])
@@ -46,15 +49,23 @@ def _fetch(dest: pathlib.Path, package: str, repo: str, tag: str, blobs: dict) -
         git_dir = git_dir / ".git"
     for name in blobs:
         data = subprocess.run(
-            ["git", f"--git-dir={git_dir}", "show", f"{tag}:tests/{name}"],
+            ["git", f"--git-dir={git_dir}", "show", f"{tag}:{folder}/{name}"],
             capture_output=True,
             check=True,
         ).stdout
         (dest / name).write_bytes(data)
+    _check(dest, package, tag, blobs, folder)
+
+
+def _check(dest: pathlib.Path, package: str, tag: str, blobs: dict, folder: str) -> None:
+    for name, blob in blobs.items():
+        actual = _blob_hash((dest / name).read_bytes())
+        if actual != blob:
+            sys.exit(f"{folder}/{name} is not {package} {tag}'s (git blob {actual}, not {blob}).")
 
 
 def run(plugin: str, package: str, repo: str, tag: str, blobs: dict, argv: list[str]) -> int:
-    """`pytest -p plugin` on the test files of `blobs`, read as `_fetch` says and checked
+    """`pytest -p plugin` on the test files of `blobs`, read as `fetch` says and checked
     against their blob hashes, with `argv` appended; the installed `package` must be the
     release of `tag`."""
     installed = importlib.metadata.version(package)
@@ -66,11 +77,7 @@ def run(plugin: str, package: str, repo: str, tag: str, blobs: dict, argv: list[
     with tempfile.TemporaryDirectory(prefix=f"{package}-suite-") as tmp:
         tests = pathlib.Path(tmp) / "tests"
         tests.mkdir()
-        _fetch(tests, package, repo, tag, blobs)
-        for name, blob in blobs.items():
-            actual = _blob_hash((tests / name).read_bytes())
-            if actual != blob:
-                sys.exit(f"tests/{name} is not {package} {tag}'s (git blob {actual}, not {blob}).")
+        fetch(tests, package, repo, tag, blobs)
         # Our own pytest configuration (`-m 'not slow'`, `testpaths`) must not apply.
         (pathlib.Path(tmp) / "pytest.ini").write_text("[pytest]\n")
         env = dict(os.environ)
