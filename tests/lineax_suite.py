@@ -17,10 +17,10 @@ operator and solver tests with
   precomputed state, `vmap`, transposes, the well-posed systems of every operator) run
   on ours.
 
-Only the cases that involve ours run (`_select`): a parametrised test keeps the cases of
-our operators or solvers; `test_operator.py`'s tests that loop over every operator run
-whole. Lineax's conftest makes JAX's dtype promotion strict and rank promotion an error,
-so our operators and solver are checked under those too.
+Only the cases that involve ours run (`pytest_collection_modifyitems`): a parametrised
+test keeps the cases of our operators or solvers; `test_operator.py`'s tests that loop
+over every operator run whole. Lineax's conftest makes JAX's dtype promotion strict and
+rank promotion an error, so our operators and solver are checked under those too.
 
 Each operator is built from the test's dense matrix with the pattern the test's tags
 promise (`_pattern`): a diagonal matrix is stored as its diagonal (`n` blocks of one
@@ -35,12 +35,10 @@ Lineax's tests are not in the PyPI sdist of lineax either, and come from its git
 repository, the first of: `LINEAX_TESTS=/path/to/tests` (Lineax 0.1.1's `tests/` files),
 `LINEAX_GIT=/path/to/lineax` (a clone or bare git directory with the tag `v0.1.1`), or a
 `git clone --depth 1 --branch v0.1.1` from GitHub into `.lineax-tests/`. Every file used
-is checked against its git blob hash at `v0.1.1`. `LINEAX_SUITE_PLAIN=1` runs Lineax's
-selection without ours, as a baseline. The result is recorded in
-`docs/devdocs/lineax_tests.md`.
+is checked against its git blob hash at `v0.1.1` (`outside_suite.py`). The result is
+recorded in `docs/devdocs/lineax_tests.md`.
 """
 
-import os
 import sys
 
 
@@ -216,8 +214,6 @@ def _solvers():
 
 
 def pytest_configure(config):
-    if os.environ.get("LINEAX_SUITE_PLAIN"):
-        return
     # Lineax's test modules import these lists from `tests.helpers` at collection: ours
     # are appended to the same list objects before that. Its conftest first: `helpers`
     # reads the x64 setting that the conftest makes when it is imported.
@@ -244,8 +240,6 @@ def _is_ours(value) -> bool:
 def pytest_collection_modifyitems(config, items):
     import pytest
 
-    if os.environ.get("LINEAX_SUITE_PLAIN"):
-        return
     kept, deselected = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -267,8 +261,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    if os.environ.get("LINEAX_SUITE_PLAIN"):
-        return f"Lineax {TAG}'s tests (baseline, nothing of ours added)"
     names = ", ".join(m.__name__ for m in MAKERS)
     return (
         f"Lineax {TAG}'s tests with diffrax_linearize's operators ({names}) and "
