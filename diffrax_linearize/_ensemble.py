@@ -152,13 +152,16 @@ def _combine_stats(counts, means, m2s, axis_name, total):
     arrays of the size of one saved value cross devices. `total` is the number of paths
     counted, over all devices: with none, the mean and variance are NaN."""
     weights = lambda x: counts.reshape(counts.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
+    # The count cast explicitly: an integer divisor fails under
+    # `jax_numpy_dtype_promotion="strict"`.
+    over_total = lambda x: x / jnp.asarray(total).astype(x.dtype)  # noqa: E731
 
     def mean(means):
-        return _psum(jnp.sum(weights(means) * means, axis=0), axis_name) / total
+        return over_total(_psum(jnp.sum(weights(means) * means, axis=0), axis_name))
 
     def var(means, m2s, mean):
         m2 = jnp.sum(m2s + weights(means) * (means - mean) ** 2, axis=0)
-        return _psum(m2, axis_name) / total
+        return over_total(_psum(m2, axis_name))
 
     mean_ = jtu.tree_map(mean, means)
     return mean_, jtu.tree_map(var, means, m2s, mean_)
@@ -207,11 +210,13 @@ def _quantiles(ys, mask, q, count, axis_name):
     # As `numpy.quantile(..., method="linear")` over the `count` paths of `mask`:
     # interpolate between the order statistics at floor((n - 1) q) and ceil((n - 1) q).
     # `count` is only known on device (failed paths are left out), so this is traced.
-    h = jnp.asarray(q, jnp.result_type(float)) * (count - 1)
+    # Integers cast explicitly (as in `_combine_stats`), for strict dtype promotion.
+    q = jnp.asarray(q, jnp.result_type(float))
+    h = q * (count - 1).astype(q.dtype)
     below = jnp.floor(h).astype(jnp.int32)
-    above = jnp.minimum(below + 1, count - 1).astype(jnp.int32)
+    above = jnp.minimum(below + 1, (count - 1).astype(jnp.int32))
     ks = jnp.stack([below, above], axis=1)  # (len(q), 2)
-    frac = h - below
+    frac = h - below.astype(h.dtype)
 
     def leaf(y):
         keys = _to_ordered_int(y)

@@ -179,8 +179,12 @@ def sample_iterated_integrals(
 
 def _step_key(key: PRNGKeyArray, t0, t1, dtype) -> PRNGKeyArray:
     """A key that depends only on `key` and the bit patterns of `t0` and `t1`."""
-    # At least 32 bits, so that `bitcast_convert_type` to uint32 is defined.
-    dtype = jnp.promote_types(dtype, jnp.float32)
+    # At least 32 bits, so that `bitcast_convert_type` to uint32 is defined. Not
+    # `jnp.promote_types(dtype, jnp.float32)`: under `jax_numpy_dtype_promotion="strict"`
+    # that raises for float64 (found by running our tests in strict mode).
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize < 4:
+        dtype = jnp.dtype(jnp.float32)
     key = jr.fold_in(key, _LEVY_AREA_SALT)
     for t in (t0, t1):
         words = jnp.atleast_1d(lax.bitcast_convert_type(jnp.asarray(t, dtype), jnp.uint32))

@@ -189,29 +189,33 @@ def _stiff_terms(key):
     return diffrax.MultiTerm(drift, diffusion)
 
 
-def test_failed_paths_are_left_out_of_the_reductions():
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+def test_failed_paths_are_left_out_of_the_reductions(promotion):
     # One path in five is stiff (rate 300): the adaptive explicit solver runs out of
-    # `max_steps` on it, and its saved values after the failure are `inf`.
+    # `max_steps` on it, and its saved values after the failure are `inf`. Also under
+    # `jax_numpy_dtype_promotion="strict"`, where the reductions' integer counts met
+    # floats implicitly (found by running the suite in strict mode).
     keys = jr.split(jr.key(4), 5)
     rates = jnp.array([1.0, 2.0, 300.0, 0.5, 1.5])
     qs = (0.0, 0.3, 0.5, 1.0)
-    out = dl.solve_ensemble(
-        _stiff_terms,
-        diffrax.Heun(),
-        0.0,
-        T1,
-        DT,
-        Y0,
-        rates,
-        keys=keys,
-        batch_args=True,
-        saveat=SAVEAT,
-        quantiles=qs,
-        chunk_size=2,  # the failed path is in the second chunk, with a good one
-        stepsize_controller=diffrax.PIDController(rtol=1e-2, atol=1e-2),
-        max_steps=40,
-        throw=False,
-    )
+    with jax.numpy_dtype_promotion(promotion):
+        out = dl.solve_ensemble(
+            _stiff_terms,
+            diffrax.Heun(),
+            0.0,
+            T1,
+            DT,
+            Y0,
+            rates,
+            keys=keys,
+            batch_args=True,
+            saveat=SAVEAT,
+            quantiles=qs,
+            chunk_size=2,  # the failed path is in the second chunk, with a good one
+            stepsize_controller=diffrax.PIDController(rtol=1e-2, atol=1e-2),
+            max_steps=40,
+            throw=False,
+        )
     ok = np.asarray(out.paths.result._value) == 0
     np.testing.assert_array_equal(ok, [True, True, False, True, True])
     assert int(out.num_failed) == 1 and int(out.num_used) == 4

@@ -166,6 +166,22 @@ def test_tree_joint_law(getkey):
     np.testing.assert_allclose(np.mean(a12**2 * w1**2), 5 * h**3 / 12, rtol=0.12)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_strict_dtype_promotion(getkey, dtype):
+    # Under `jax_numpy_dtype_promotion="strict"` (Diffrax's, Lineax's and Optimistix's
+    # test suites run so), the same areas as under the standard rules: the step's key came
+    # from `jnp.promote_types(dtype, float32)`, which raised for float64 there.
+    shape = jax.ShapeDtypeStruct((2,), dtype)
+    bm = diffrax.VirtualBrownianTree(0.0, 1.0, tol=0.25, shape=shape, key=getkey())
+    levy = dl.LevyAreaBrownianPath(bm, n_terms=3)
+    standard = levy.evaluate(0.1, 0.6, use_levy=True)
+    with jax.numpy_dtype_promotion("strict"):
+        strict = levy.evaluate(0.1, 0.6, use_levy=True)
+    assert strict.A.dtype == dtype
+    np.testing.assert_array_equal(strict.A, standard.A)
+    np.testing.assert_array_equal(strict.W, standard.W)
+
+
 @pytest.mark.slow
 def test_grid_path_chen(getkey):
     # Against a direct loop over iterated Itô integrals:
