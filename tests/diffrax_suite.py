@@ -415,28 +415,20 @@ def _select_stiff(config, items) -> None:
     """Only the cases of the substituted (and added) solvers of the parametrised tests;
     the known differences marked `xfail(strict=True)`."""
     import diffrax
-    import pytest
+    from outside_suite import select
 
     names = list(STIFF_SUBSTITUTES)
     substituted = tuple(getattr(diffrax, n) for n in names)
     added = {i for ids in STIFF_ADDED.values() for i in ids}
-    kept, deselected = [], []
-    for item in items:
+
+    def keep(item):
         params = getattr(getattr(item, "callspec", None), "params", {})
-        solver = params.get("solver", None)
-        if "solver" in params and not (
-            isinstance(solver, substituted) or item.callspec.id.split("-")[-1] in added
-        ):
-            deselected.append(item)
-            continue
-        kept.append(item)
-        known = STIFF_KNOWN_FAILURES.get(item.nodeid)
-        if known and not os.environ.get("DIFFRAX_SUITE_PLAIN"):
-            reason, raises = known
-            item.add_marker(pytest.mark.xfail(strict=True, reason=reason, raises=raises))
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = kept
+        return "solver" not in params or (
+            isinstance(params["solver"], substituted) or item.callspec.id.split("-")[-1] in added
+        )
+
+    known = {} if os.environ.get("DIFFRAX_SUITE_PLAIN") else STIFF_KNOWN_FAILURES
+    select(config, items, keep, known)
 
 
 def upstream_terminate(self, fn, y, args, options, state, tags):

@@ -180,13 +180,12 @@ MAKERS = (
     make_csr_operator,
 )
 # Square only, by their definition.
-_UNSQUARE = ("make_block_diagonal_operator", "make_banded_operator")
+_UNSQUARE = (make_block_diagonal_operator, make_banded_operator)
 # The tests that build each operator of theirs from a matrix that is not square (3 x 5),
 # or may be (singular systems with a row or a column trimmed).
 _UNSQUARE_TESTS = ("test_structures_vector", "test_adjoint", "test_small_singular")
-# Lineax's tests that fail with ours added, why, and the exception they must fail with:
-# each is marked `xfail(strict=True, raises=...)`, so the run fails if it passes (the
-# record is then out of date) or fails otherwise.
+# Lineax's tests that fail with ours added, why, and the exception they must fail with
+# (`outside_suite.select` marks them `xfail(strict=True, raises=...)`).
 KNOWN_FAILURES = {
     f"tests/test_operator.py::test_materialise_large[{dtype}]": (
         "builds every operator of `make_operators` from one 200 x 500 matrix; a "
@@ -238,26 +237,17 @@ def _is_ours(value) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
+    from outside_suite import select
 
-    kept, deselected = [], []
-    for item in items:
+    def keep(item):
         params = getattr(getattr(item, "callspec", None), "params", {})
         ours = any(_is_ours(v) for v in params.values())
-        maker = params.get("make_operator")
-        unsquare = getattr(maker, "__name__", "") in _UNSQUARE and any(
+        unsquare = params.get("make_operator") in _UNSQUARE and any(
             f"::{name}[" in item.nodeid for name in _UNSQUARE_TESTS
         )
-        if (ours or item.nodeid.startswith(WHOLE)) and not unsquare:
-            kept.append(item)
-            if item.nodeid in KNOWN_FAILURES:
-                reason, raises = KNOWN_FAILURES[item.nodeid]
-                item.add_marker(pytest.mark.xfail(strict=True, reason=reason, raises=raises))
-        else:
-            deselected.append(item)
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = kept
+        return (ours or item.nodeid.startswith(WHOLE)) and not unsquare
+
+    select(config, items, keep, KNOWN_FAILURES)
 
 
 def pytest_report_header(config):

@@ -74,14 +74,13 @@ def pytest_generate_tests(metafunc):
 
 def pytest_collection_modifyitems(config, items):
     import diffrax_linearize as dl
+    from outside_suite import select
 
-    kept, deselected = [], []
-    for item in items:
+    def keep(item):
         solver = getattr(getattr(item, "callspec", None), "params", {}).get("solver")
-        (kept if isinstance(solver, (dl.VeryChord, dl.Newton)) else deselected).append(item)
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = kept
+        return isinstance(solver, (dl.VeryChord, dl.Newton))
+
+    select(config, items, keep)
 
 
 def pytest_report_header(config):

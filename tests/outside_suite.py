@@ -1,7 +1,8 @@
 """What the drivers of the outside test suites share: a library's test files at a release
 tag, read from a git repository and checked against their git blob hashes (`fetch`, for
 `diffrax_suite.py`, `lineax_suite.py` and `optimistix_suite.py`), then run by pytest in a
-temporary folder with the suite's module as a plugin (`run`, for the latter two)."""
+temporary folder with the suite's module as a plugin (`run`, for the latter two), whose
+collection keeps the cases of ours and marks the known failures (`select`)."""
 
 import hashlib
 import importlib.metadata
@@ -88,3 +89,21 @@ def run(plugin: str, package: str, repo: str, tag: str, blobs: dict, argv: list[
         command += selection + argv
         print("+", " ".join(command), flush=True)
         return subprocess.run(command, cwd=tmp, env=env).returncode
+
+
+def select(config, items, keep, known_failures=None) -> None:
+    """Keeps the collected `items` for which `keep(item)` holds, reporting the others to
+    pytest as deselected, and marks each kept one of `known_failures` (node id ->
+    `(reason, exception)`) `xfail(strict=True, raises=exception)`: the run then fails if it
+    passes (the record is out of date) or fails otherwise."""
+    import pytest
+
+    kept = [item for item in items if keep(item)]
+    for item in kept:
+        if item.nodeid in (known_failures or {}):
+            reason, raises = known_failures[item.nodeid]
+            item.add_marker(pytest.mark.xfail(strict=True, reason=reason, raises=raises))
+    if len(kept) < len(items):
+        kept_ids = {id(item) for item in kept}
+        config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept_ids])
+        items[:] = kept
