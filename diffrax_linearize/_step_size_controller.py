@@ -27,11 +27,14 @@ class PredictiveState(eqx.Module):
         any is accepted).
     - `error_accepted`: its scaled error, at least `1e-2` (as Hairer's codes bound it).
     - `any_accepted`: whether a step has been accepted yet; the prediction needs one.
+    - `at_dtmin`: whether the step now proposed was raised to `dtmin`; with
+        `force_dtmin=True` it is accepted whatever its error.
     """
 
     h_accepted: Real[Array, ""]
     error_accepted: Real[Array, ""]
     any_accepted: Bool[Array, ""]
+    at_dtmin: Bool[Array, ""]
 
 
 class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
@@ -94,7 +97,13 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
         [`diffrax_linearize.Rodas4P`][], which factor at every step.
     - `dtmax`: optional, the largest step size.
     - `dtmin`: optional, the smallest step size: a solve that would need a smaller step
-        stops with `diffrax.RESULTS.dt_min_reached` (and raises with `throw=True`).
+        stops with `diffrax.RESULTS.dt_min_reached` (and raises with `throw=True`), unless
+        `force_dtmin=True`.
+    - `force_dtmin`: with `dtmin`, take a step of `dtmin` where a smaller one is asked
+        for, and accept it whatever its error, as `diffrax.PIDController` does by
+        default (a step of `dtmin` that fails, with a non-finite error, stops the solve
+        with `diffrax.RESULTS.dt_min_reached`). `False` by default here: the solve stops
+        rather than accept a step beyond its tolerance unannounced.
     - `error_order`: optional, the order $k$ of the solver's error estimate; the solver's
         `error_order` (its order, for an ODE) by default.
 
@@ -125,6 +134,7 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
     steady: tuple[RealScalarLike, RealScalarLike] | None = None
     dtmax: RealScalarLike | None = None
     dtmin: RealScalarLike | None = None
+    force_dtmin: bool = False
     error_order: RealScalarLike | None = None
 
     def __check_init__(self):
@@ -189,7 +199,11 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
             dt0 = jax.lax.stop_gradient(dt0)
         if self.dtmax is not None:
             dt0 = jnp.minimum(dt0, self.dtmax)
+        at_dtmin = jnp.asarray(False)
         if self.dtmin is not None:
+            if self.force_dtmin:
+                # A first step raised to `dtmin` cannot shrink either.
+                at_dtmin = jnp.asarray(dt0 <= self.dtmin)
             dt0 = jnp.maximum(dt0, self.dtmin)
         tnext = t0 + dt0
         leaves = jtu.tree_leaves(y0)
@@ -199,6 +213,7 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
             h_accepted=jnp.asarray(dt0, dtype=jnp.result_type(tnext)),
             error_accepted=jnp.asarray(1.0, dtype=real),
             any_accepted=jnp.asarray(False),
+            at_dtmin=at_dtmin,
         )
         return tnext, state
 
@@ -223,6 +238,13 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
         # A failed step (a NaN or infinite error) is rejected with the largest decrease.
         error = jnp.where(jnp.isfinite(error), error, jnp.inf)
         keep = error < 1
+        forced_failure = jnp.asarray(False)
+        if self.dtmin is not None and self.force_dtmin:
+            # As `diffrax.PIDController(force_dtmin=True)`: a step of `dtmin` is kept,
+            # unless it failed (a non-finite error): no smaller step may be tried, so the
+            # solve stops there.
+            keep = keep | (state.at_dtmin & jnp.isfinite(error))
+            forced_failure = state.at_dtmin & ~jnp.isfinite(error)
         # An error of zero would ask for an infinite step: the floor only lets
         # `factormax` clip it.
         floor = jnp.finfo(error.dtype).tiny ** 0.25
@@ -240,10 +262,15 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
             factor = jax.lax.stop_gradient(factor)
             dt = h * factor.astype(jnp.result_type(h))
         result = RESULTS.successful
+        at_dtmin = jnp.asarray(False)
         if self.dtmax is not None:
             dt = jnp.minimum(dt, self.dtmax)
         if self.dtmin is not None:
-            result = RESULTS.where(dt < self.dtmin, RESULTS.dt_min_reached, result)
+            if self.force_dtmin:
+                at_dtmin = dt <= self.dtmin
+                result = RESULTS.where(forced_failure, RESULTS.dt_min_reached, result)
+            else:
+                result = RESULTS.where(dt < self.dtmin, RESULTS.dt_min_reached, result)
             dt = jnp.maximum(dt, self.dtmin)
         next_t0 = jnp.where(keep, t1, t0)
         next_t1 = next_t0 + dt
@@ -253,5 +280,6 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
                 state.error_accepted.dtype
             ),
             any_accepted=state.any_accepted | keep,
+            at_dtmin=at_dtmin,
         )
         return keep, next_t0, next_t1, False, new_state, result

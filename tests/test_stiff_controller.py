@@ -347,6 +347,18 @@ def test_dtmax_and_dtmin():
     floored = dl.PredictiveController(rtol=1e-10, atol=1e-14, dtmin=1.0)
     sol = _solve(_robertson, dl.Rodas4P(), floored, 10.0, y0, throw=False)
     assert sol.result == diffrax.RESULTS.dt_min_reached
+    # `force_dtmin=True`, as `diffrax.PIDController`'s default: steps of `dtmin` where
+    # smaller ones are asked for, each accepted (its error above the tolerance), to t1,
+    # the first one included; a step of `dtmin` that fails stops the solve.
+    forced = dl.PredictiveController(rtol=1e-10, atol=1e-14, dtmin=0.1, force_dtmin=True)
+    sol = _solve(_robertson, dl.Rodas4P(), forced, 1.0, y0, saveat=diffrax.SaveAt(steps=True))
+    ts = np.concatenate([[0.0], np.asarray(sol.ts)[np.isfinite(sol.ts)]])
+    assert sol.result == diffrax.RESULTS.successful and ts[-1] == 1.0
+    np.testing.assert_allclose(np.diff(ts), 0.1, rtol=1e-9)
+    assert _counts(sol) == (10, 0)
+    forced = dl.PredictiveController(rtol=1e-10, atol=1e-14, dtmin=1.0, force_dtmin=True)
+    sol = _solve(_robertson, dl.Rodas4P(), forced, 10.0, y0, throw=False)
+    assert sol.result == diffrax.RESULTS.dt_min_reached
 
 
 @pytest.mark.parametrize(
