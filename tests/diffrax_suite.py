@@ -292,11 +292,11 @@ CONTROLLER_DESELECTED = {
 # exception it must raise (evidence in `docs/devdocs/diffrax_tests.md`).
 _STATIONARY_ERROR = (
     "max_steps=4096 reached: Gustafsson's controller, as Hairer's codes, settles where "
-    "the error is safety^k (0.59) and shrinks an accepted step whose error is above it; "
-    "Diffrax's PID controller never shrinks after an accepted step and holds one with an "
-    "error up to 1. On this problem (a chord iteration to 1e-3 inside rtol = atol = "
-    "1e-10), ours takes 4631 steps to t1, Diffrax's 3766, and both meet the test's "
-    "tolerance"
+    "the error is safety^k (0.9^5 = 0.59, k the solver's error order) and shrinks an "
+    "accepted step whose error is above it; Diffrax's PID "
+    "controller never shrinks after an accepted step and holds one with an error up to 1. "
+    "On this problem (a chord iteration to 1e-3 inside rtol = atol = 1e-10), ours takes "
+    "4631 steps to t1, Diffrax's 3766, and both meet the test's tolerance"
 )
 CONTROLLER_KNOWN_FAILURES = {
     "test/test_adaptive_stepsize_controller.py::test_jump_ts[True]": (
