@@ -154,7 +154,7 @@ def _combine_stats(counts, means, m2s, axis_name, total):
     weights = lambda x: counts.reshape(counts.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
     # The count cast explicitly: an integer divisor fails under
     # `jax_numpy_dtype_promotion="strict"`.
-    over_total = lambda x: x / jnp.asarray(total).astype(x.dtype)  # noqa: E731
+    over_total = lambda x: x / jnp.asarray(total).astype(x.dtype)
 
     def mean(means):
         return over_total(_psum(jnp.sum(weights(means) * means, axis=0), axis_name))

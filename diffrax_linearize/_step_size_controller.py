@@ -238,13 +238,10 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
         # A failed step (a NaN or infinite error) is rejected with the largest decrease.
         error = jnp.where(jnp.isfinite(error), error, jnp.inf)
         keep = error < 1
-        forced_failure = jnp.asarray(False)
         if self.dtmin is not None and self.force_dtmin:
             # As `diffrax.PIDController(force_dtmin=True)`: a step of `dtmin` is kept,
-            # unless it failed (a non-finite error): no smaller step may be tried, so the
-            # solve stops there.
+            # unless it failed (a non-finite error; the solve stops below).
             keep = keep | (state.at_dtmin & jnp.isfinite(error))
-            forced_failure = state.at_dtmin & ~jnp.isfinite(error)
         # An error of zero would ask for an infinite step: the floor only lets
         # `factormax` clip it.
         floor = jnp.finfo(error.dtype).tiny ** 0.25
@@ -268,7 +265,9 @@ class PredictiveController(diffrax.AbstractAdaptiveStepSizeController):
         if self.dtmin is not None:
             if self.force_dtmin:
                 at_dtmin = dt <= self.dtmin
-                result = RESULTS.where(forced_failure, RESULTS.dt_min_reached, result)
+                # A failed step of `dtmin`: no smaller step may be tried.
+                failed = state.at_dtmin & ~jnp.isfinite(error)
+                result = RESULTS.where(failed, RESULTS.dt_min_reached, result)
             else:
                 result = RESULTS.where(dt < self.dtmin, RESULTS.dt_min_reached, result)
             dt = jnp.maximum(dt, self.dtmin)
