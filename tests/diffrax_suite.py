@@ -79,7 +79,7 @@ tests of `test_adaptive_stepsize_controller.py`, `ClipStepSizeController`'s `ste
 `jump_ts` and revisited rejected steps among them, `test_basic`, `test_reverse_time`,
 `test_detest.py`, the events, `SaveAt`, `vmap` and adjoint tests) with
 `diffrax_linearize.PredictiveController` in its place: `diffrax.PIDController` becomes a
-stand-in (`_PIDStandIn`) that builds ours from the arguments the two share, and a
+stand-in (`_StandIn`) that builds ours from the arguments the two share, and a
 parametrised controller keeps only the cases of ours. Known differences of control law
 are strict xfails (`CONTROLLER_KNOWN_FAILURES`); `DIFFRAX_SUITE_PLAIN=1 ... --controller`
 runs the same tests with Diffrax's own, as a baseline.
@@ -263,7 +263,7 @@ STIFF_KNOWN_FAILURES = {
 # `--controller`: `diffrax_linearize.PredictiveController` in place of
 # `diffrax.PIDController`, in every test whose code names `diffrax.PIDController` (for a
 # parametrised controller, only the cases of ours), of these files. `diffrax.PIDController`
-# becomes a stand-in (`_PIDStandIn`): calling it builds ours with the arguments the two
+# becomes a stand-in (`_StandIn`): calling it builds ours with the arguments the two
 # share (`rtol`, `atol`, `norm`, `dtmin`, `dtmax`, `force_dtmin`, `factormin`,
 # `factormax`, `safety`, `error_order`), dropping the PID coefficients (`pcoeff`,
 # `icoeff`, `dcoeff`: ours is another control law), and `step_ts=`/`jump_ts=` wrap it in
@@ -427,19 +427,14 @@ def _substitute_root_finders(name: str) -> None:
 
 
 class _StandIn(type):
-    """The metaclass of the stand-ins for `diffrax.Kvaerno5` & co. in the `--stiff` leg:
-    calling one builds ours (`Kvaerno5(root_finder=...)` included: a Rosenbrock method
-    has no nonlinear solve, so the root finder is dropped; the BDF takes its tolerances
-    from it); `isinstance` recognises ours (`test_detest.py` treats `ImplicitEuler` apart);
-    any other attribute (`Kvaerno5.tableau`) is Diffrax's class's."""
+    """The metaclass of the stand-ins for Diffrax's classes (`diffrax.Kvaerno5` & co. in
+    the `--stiff` leg, `diffrax.PIDController` in the `--controller` leg): calling one
+    builds ours (`cls.build`); `isinstance` recognises Diffrax's and ours (`cls.is_ours`:
+    `test_detest.py` treats `ImplicitEuler` apart); any other attribute (`Kvaerno5.tableau`)
+    is Diffrax's class's."""
 
-    def __call__(cls, root_finder=None):
-        import equinox as eqx
-
-        solver = cls.build()
-        if root_finder is not None and hasattr(solver, "root_finder"):
-            solver = eqx.tree_at(lambda s: s.root_finder, solver, root_finder)
-        return solver
+    def __call__(cls, *args, **kwargs):
+        return cls.build(*args, **kwargs)
 
     def __instancecheck__(cls, obj):
         return isinstance(obj, cls.original) or cls.is_ours(obj)
@@ -462,8 +457,15 @@ def _substitute_stiff_solvers() -> None:
     for name, ctor in STIFF_SUBSTITUTES.items():
         example = _ours(ctor)
 
-        def build(ctor=ctor):
-            return _ours(ctor)
+        def build(root_finder=None, *, ctor=ctor):
+            # `Kvaerno5(root_finder=...)`: a Rosenbrock method has no nonlinear solve, so
+            # the root finder is dropped; the BDF takes its tolerances from it.
+            import equinox as eqx
+
+            solver = _ours(ctor)
+            if root_finder is not None and hasattr(solver, "root_finder"):
+                solver = eqx.tree_at(lambda s: s.root_finder, solver, root_finder)
+            return solver
 
         def is_ours(obj, example=example):
             # The BDF stands in for `ImplicitEuler` at order 1 only: the added BDFs of
@@ -505,48 +507,48 @@ def _select_stiff(config, items) -> None:
     select(config, items, keep, known)
 
 
-class _PIDStandIn(type):
-    """The metaclass of the stand-in for `diffrax.PIDController` in the `--controller`
-    leg: calling it builds `diffrax_linearize.PredictiveController` (wrapped in
-    `diffrax.ClipStepSizeController` for `step_ts=`/`jump_ts=`), `isinstance` recognises
-    ours and Diffrax's, any other attribute is Diffrax's class's."""
+def _predictive_controller(
+    rtol=None, atol=None, norm=None, pcoeff=0, icoeff=1, dcoeff=0, dtmin=None, dtmax=None,
+    force_dtmin=True, factormin=0.2, factormax=10.0, safety=0.9, error_order=None,
+    step_ts=None, jump_ts=None,
+):  # fmt: skip
+    """What the stand-in for `diffrax.PIDController` builds, from its arguments:
+    `diffrax_linearize.PredictiveController`, wrapped in `diffrax.ClipStepSizeController`
+    for `step_ts=`/`jump_ts=`."""
+    import diffrax
+    import diffrax_linearize as dl
 
-    def __call__(
-        cls, rtol=None, atol=None, norm=None, pcoeff=0, icoeff=1, dcoeff=0, dtmin=None,
-        dtmax=None, force_dtmin=True, factormin=0.2, factormax=10.0, safety=0.9,
-        error_order=None, step_ts=None, jump_ts=None,
-    ):  # fmt: skip
-        import diffrax
-        import diffrax_linearize as dl
-
-        del pcoeff, icoeff, dcoeff
-        kwargs = dict(
-            dtmin=dtmin, dtmax=dtmax, factormin=factormin, factormax=factormax,
-            safety=safety, error_order=error_order,
-        )  # fmt: skip
-        if norm is not None:
-            kwargs["norm"] = norm
-        if dtmin is not None:
-            kwargs["force_dtmin"] = force_dtmin
-        ours = dl.PredictiveController(rtol=rtol, atol=atol, **kwargs)
-        if step_ts is None and jump_ts is None:
-            return ours
-        return diffrax.ClipStepSizeController(ours, step_ts=step_ts, jump_ts=jump_ts)
-
-    def __instancecheck__(cls, obj):
-        import diffrax_linearize as dl
-
-        return isinstance(obj, (cls.original, dl.PredictiveController))
-
-    def __getattr__(cls, name):
-        return getattr(cls.original, name)
+    del pcoeff, icoeff, dcoeff
+    kwargs = dict(
+        dtmin=dtmin, dtmax=dtmax, factormin=factormin, factormax=factormax, safety=safety,
+        error_order=error_order,
+    )  # fmt: skip
+    if norm is not None:
+        kwargs["norm"] = norm
+    if dtmin is not None:
+        kwargs["force_dtmin"] = force_dtmin
+    ours = dl.PredictiveController(rtol=rtol, atol=atol, **kwargs)
+    if step_ts is None and jump_ts is None:
+        return ours
+    return diffrax.ClipStepSizeController(ours, step_ts=step_ts, jump_ts=jump_ts)
 
 
 def _substitute_controller() -> None:
     import diffrax
     import diffrax_linearize as dl
 
-    stand_in = _PIDStandIn("PIDController", (), dict(original=diffrax.PIDController))
+    def is_ours(obj):
+        return isinstance(obj, dl.PredictiveController)
+
+    stand_in = _StandIn(
+        "PIDController",
+        (),
+        dict(
+            build=staticmethod(_predictive_controller),
+            is_ours=staticmethod(is_ours),
+            original=diffrax.PIDController,
+        ),
+    )
     diffrax.PIDController = stand_in
     # Checked here, in every process that runs tests.
     if type(diffrax.PIDController(rtol=1e-3, atol=1e-6)) is not dl.PredictiveController:
