@@ -59,6 +59,45 @@ def control_zeros(term: diffrax.AbstractTerm, t) -> PyTree[Array]:
     return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+class _PromotingProducts(diffrax.AbstractTerm):
+    """`term` whose products with its control promote under JAX's standard rules."""
+
+    term: diffrax.AbstractTerm
+
+    def vf(self, t, y, args):
+        return self.term.vf(t, y, args)
+
+    def contr(self, t0, t1, **kwargs):
+        return self.term.contr(t0, t1, **kwargs)
+
+    def prod(self, vf, control):
+        with jax.numpy_dtype_promotion("standard"):
+            return self.term.prod(vf, control)
+
+    def vf_prod(self, t, y, args, control):
+        with jax.numpy_dtype_promotion("standard"):
+            return self.term.vf_prod(t, y, args, control)
+
+    def is_vf_expensive(self, t0, t1, y, args):
+        return self.term.is_vf_expensive(t0, t1, y, args)
+
+
+def real_noise_on_complex_state(terms: diffrax.MultiTerm, t0, y0) -> diffrax.MultiTerm:
+    """`MultiTerm(drift, diffusion)`, its diffusion's products with the control promoting
+    where the state is complex and the control real: a real Brownian motion driving a
+    complex SDE. The control stays real (a complex one is taken to be a complex Brownian
+    motion, whose Itô correction differs); each product promotes, as Diffrax's stochastic
+    Runge-Kutta solvers promote theirs, so that the step runs under JAX's strict
+    promotion (`jax_numpy_dtype_promotion="strict"`) too."""
+    drift, diffusion = terms.terms
+    if not any(jnp.iscomplexobj(y) for y in jtu.tree_leaves(y0)):
+        return terms
+    control = jax.eval_shape(lambda t: diffusion.contr(t, t), t0)
+    if not any(jnp.issubdtype(c.dtype, jnp.floating) for c in jtu.tree_leaves(control)):
+        return terms
+    return diffrax.MultiTerm(drift, _PromotingProducts(diffusion))
+
+
 def _vf(term, t, y, args, api: str):
     """`term.vf(t, y, args)`, checking that `term.prod` of it gives a `y`-shaped result."""
     control = control_zeros(term, t)

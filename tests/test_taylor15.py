@@ -374,3 +374,13 @@ def test_refuses_a_path_without_space_time_levy_area():
 def test_refuses_ode():
     with pytest.raises(ValueError, match="ODEs"):
         dl.ItoTaylor15().order(None)
+
+
+def test_declares_its_levy_area():
+    # As Diffrax's stochastic Runge-Kutta solvers declare theirs (`diffrax.SPaRK`), read by
+    # whatever builds a Brownian motion for a solver (Diffrax's own test helpers, which
+    # `tests/diffrax_suite.py --sde` runs ours through): a space-time Lévy area suffices,
+    # a bare increment does not.
+    assert issubclass(dfx.SpaceTimeLevyArea, dl.ItoTaylor15.minimal_levy_area)
+    assert issubclass(dfx.SpaceTimeTimeLevyArea, dl.ItoTaylor15().minimal_levy_area)
+    assert not issubclass(dfx.BrownianIncrement, dl.ItoTaylor15.minimal_levy_area)

@@ -31,6 +31,7 @@ from .._brownian_carry import carried_terms, init_carry
 from .._linear_solver import StructuredLinearSolver
 from .._materialise import solver_operator
 from .._root_finder import VeryChord
+from .._term import real_noise_on_complex_state
 from .milstein import _error_estimate, _milstein_parts, _StepParts, _Terms, _Y
 from .milstein_general import _general_milstein_parts
 
@@ -132,7 +133,8 @@ def _filter_stiff(solver, terms, t0, t1, y1, args, y_error: _Y) -> _Y:
         with jax.numpy_dtype_promotion("standard"):
             return jtu.tree_map(lambda z, f: z - solver.theta * f, z, fz)
 
-    operator = solver_operator(relation, y1, args)
+    complex_state = any(jnp.iscomplexobj(y) for y in jtu.tree_leaves(y1))
+    operator = solver_operator(relation, y1, args, holomorphic=complex_state)
     # A failed root find's infinite estimate stays infinite (the step is rejected).
     finite = jtu.tree_map(lambda e: jnp.where(jnp.isfinite(e), e, 0), y_error)
     filtered = lx.linear_solve(operator, finite, StructuredLinearSolver(), throw=False).value
@@ -165,6 +167,7 @@ class _DriftImplicit:
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
         del made_jump
         terms, solver_state = carried_terms(terms, t0, t1, solver_state)
+        terms = real_noise_on_complex_state(terms, t0, y0)
         explicit, parts = self._explicit(terms, t0, t1, y0, args)
         y1, result = _implicit_drift(self, terms, t0, t1, y0, args, explicit)
         # The weight 1/2 - theta: the difference from the trapezoidal rule in the drift.

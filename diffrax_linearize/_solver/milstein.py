@@ -36,6 +36,7 @@ from .._term import (
     ito_milstein_correction,
     linear_diffusion_prod,
     milstein_trace_term,
+    real_noise_on_complex_state,
     stratonovich_milstein_correction,
 )
 
@@ -401,6 +402,7 @@ class MilsteinCommon(SDESolverCommon):
         if self.fixed_steps_only:
             _check_not_in_half_solver(self, sys._getframe(1))
         terms, solver_state = carried_terms(terms, t0, t1, solver_state)
+        terms = real_noise_on_complex_state(terms, t0, y0)
         y1, parts = self._y1(terms, t0, t1, y0, args)
         # Under a constant step size nothing reads the estimate and the compiler drops it.
         y_error = _error_estimate(terms, t1, y1, args, parts)

@@ -15,7 +15,7 @@ from diffrax import (
 )
 
 from .._brownian_carry import carried_terms
-from .._term import milstein_trace_term
+from .._term import milstein_trace_term, real_noise_on_complex_state
 from .milstein import (
     _BoolScalarLike,
     _RealScalarLike,
@@ -130,8 +130,12 @@ class ItoTaylor15(SDESolverCommon, AbstractAdaptiveSolver, AbstractItoSolver):
     """
 
     term_structure: ClassVar = _Terms
-    # The diffusion's control is asked for its space-time Lévy area, as `diffrax.SPaRK`'s.
+    # The diffusion's control is asked for its space-time Lévy area, as `diffrax.SPaRK`'s,
+    # and the Lévy area it needs is declared as Diffrax's stochastic Runge-Kutta solvers
+    # declare theirs (read by tools that build a Brownian motion for a solver, as Diffrax's
+    # test helpers do).
     term_compatible_contr_kwargs: ClassVar = (dict(), dict(use_levy=True))
+    minimal_levy_area: ClassVar = AbstractSpaceTimeLevyArea
 
     def strong_order(self, terms):
         return 1.5
@@ -153,6 +157,7 @@ class ItoTaylor15(SDESolverCommon, AbstractAdaptiveSolver, AbstractItoSolver):
     ):
         del made_jump
         terms, solver_state = carried_terms(terms, t0, t1, solver_state)
+        terms = real_noise_on_complex_state(terms, t0, y0)
         drift, diffusion = terms.terms
         h = drift.contr(t0, t1)
         inc = diffusion.contr(t0, t1, use_levy=True)
