@@ -54,9 +54,11 @@ test-latest:
 # (the baseline), with our VeryChord and with our Newton as the root finder of every
 # implicit solver, its tests of implicit solvers with our stiff solvers in their place, and
 # its tests that name diffrax.PIDController with our PredictiveController in its place
-# (not part of `make test`; see tests/diffrax_suite.py for where the tests come from:
-# DIFFRAX_GIT=/path/to/diffrax-clone or DIFFRAX_TESTS=/path/to/test). All legs run; the
-# target fails if any failed. Record in docs/devdocs/diffrax_tests.md.
+# (alone, and with our stiff solvers in place of Diffrax's implicit ones), and its SDE
+# solver tests with our SDE solvers added to their lists (not part of `make test`; see
+# tests/diffrax_suite.py for where the tests come from: DIFFRAX_GIT=/path/to/diffrax-clone
+# or DIFFRAX_TESTS=/path/to/test). All legs run; the target fails if any failed. Record in
+# docs/devdocs/diffrax_tests.md.
 test-diffrax: $(STAMP)
 	rc=0; \
 	$(PY) tests/diffrax_suite.py -q || rc=1; \
@@ -64,7 +66,9 @@ test-diffrax: $(STAMP)
 	$(PY) tests/diffrax_suite.py --implicit verychord -q -rfEx || rc=1; \
 	$(PY) tests/diffrax_suite.py --implicit newton -q -rfEx || rc=1; \
 	$(PY) tests/diffrax_suite.py --stiff -q -rfEx || rc=1; \
+	$(PY) tests/diffrax_suite.py --stiff --controller -q -rfEx || rc=1; \
 	$(PY) tests/diffrax_suite.py --controller -q -rfEx || rc=1; \
+	$(PY) tests/diffrax_suite.py --sde -q -rfEx || rc=1; \
 	exit $$rc
 
 # Lineax 0.1.1's own operator and solver tests with our four operators and
