@@ -87,12 +87,13 @@ substitutions in the `--stiff` leg's tests that run the controller: ours under o
 (`STIFF_CONTROLLER_KNOWN_FAILURES`).
 
 **The SDE solvers.** `python tests/diffrax_suite.py --sde` runs Diffrax's SDE solver tests
-(`SDE_SELECTION`: `test_sde1.py`, `test_sde2.py`), which list Diffrax's stochastic
-Runge-Kutta solvers, with ours appended to their lists (`SDE_ADDED`) and only the cases of
-ours kept: the strong order of each against itself and its limit against Euler's or
-Heun's on 100 paths, at the noise each is listed for, and solves with pytree and complex
-states and weakly diagonal noise. Known differences are strict xfails
-(`SDE_KNOWN_FAILURES`); `DIFFRAX_SUITE_PLAIN=1 ... --sde` runs Diffrax's own cases.
+(`SDE_SELECTION`: `test_sde1.py`, `test_sde2.py`, `test_integrate.py`'s
+`test_sde_strong_order`), which list Diffrax's solvers, with ours appended to their lists
+(`SDE_ADDED`) and only the cases of ours kept: the strong order of each against itself
+and against Euler's or Heun's, its limit against theirs, at the noise each is listed for,
+and solves with pytree and complex states and weakly diagonal noise. Known differences
+are strict xfails (`SDE_KNOWN_FAILURES`); `DIFFRAX_SUITE_PLAIN=1 ... --sde` runs
+Diffrax's own cases.
 """
 
 import os
@@ -362,8 +363,28 @@ _SDE_ORDERS = {
     "ImplicitEulerMaruyama": (("any", 0.5), ("com", 0.5), ("add", 1)),
     "ItoTaylor15": (("com", 1.5), ("add", 1.5)),
 }
-SDE_SELECTION = ["test/test_sde1.py", "test/test_sde2.py"]
+SDE_SELECTION = [
+    "test/test_sde1.py",
+    "test/test_sde2.py",
+    "test/test_integrate.py::test_sde_strong_order",
+]
+# `test_integrate.py::test_sde_strong_order` fits the order against Euler's (Itô) or Heun's
+# (Stratonovich) solution on 20 paths, at "com" and "any" noise (its "add" cases return
+# at once); it lists Diffrax's Milstein solvers itself, at "any" noise and, the
+# Stratonovich one, at "com" (the first leg runs them with ours substituted).
+_INTEGRATE_ORDERS = {
+    "ItoMilstein": (("com", 1),),
+    "ImplicitItoMilstein": (("com", 1), ("any", 0.5)),
+    "ImplicitStratonovichMilstein": (("com", 1), ("any", 0.5)),
+    "ImplicitEulerMaruyama": (("com", 0.5), ("any", 0.5)),
+    "ItoTaylor15": (("com", 1.5),),
+}
 SDE_ADDED = {
+    "test_sde_strong_order": {
+        f"{name}-{noise}-{order}": (name, noise, order)
+        for name, orders in _INTEGRATE_ORDERS.items()
+        for noise, order in orders
+    },
     **{
         test: {
             f"{name}-{noise}-{order}": (name, noise, order)
@@ -395,6 +416,21 @@ SDE_KNOWN_FAILURES = {
         )
         for name in ("ImplicitItoMilstein", "ImplicitStratonovichMilstein", "ImplicitEulerMaruyama")
     },
+    "test/test_integrate.py::test_sde_strong_order[float64-ImplicitEulerMaruyama-com-0.5]": (
+        "the fitted order is 0.91, not 0.5 +- 0.3: the test's diffusion is small (0.25 "
+        "tanh), so an Euler-Maruyama step converges about like order one over its steps "
+        "(2^-3 to 2^-8); Diffrax's own `diffrax.Euler` there fits 0.92 (the test lists it "
+        "at 'any' noise only)",
+        AssertionError,
+    ),
+    "test/test_integrate.py::test_sde_strong_order[float64-ItoTaylor15-com-1.5]": (
+        "the fitted order is 0.91, not 1.5 +- 0.3: the test's reference for an Itô solver "
+        "is `diffrax.Euler` at 2^-12, itself about 2e-5 from the solution, where ours is "
+        "within 3e-5 from 2^-2 on (errors 3.2e-4, 7.7e-5, 2.8e-5, 2.3e-5, 2.4e-5); against "
+        "ours at 2^-12 the same errors fit 1.82 (3.2e-4 down to 2e-6). The test lists no "
+        "Itô solver above order one at 'com' noise",
+        AssertionError,
+    ),
     "test/test_sde1.py::test_sde_strong_limit[float64-ImplicitEulerMaruyama-any-0.5]": (
         "an Euler-Maruyama step at the test's 5/128 is 0.0511 from the reference, above the "
         "test's 0.05, which is for the solvers it lists: Diffrax's own `diffrax.Euler` at "
