@@ -60,6 +60,10 @@ def _choose(method: ContractionMethod, y0, m: int) -> str:
     if method != "auto":
         return method
     leaves = jtu.tree_leaves(y0)
+    if any(jnp.iscomplexobj(y) for y in leaves):
+        # The structure engine, which materialises the derivative, works over the reals;
+        # JVPs take complex states.
+        return "jvp"
     if len(leaves) == 1 and jnp.ndim(leaves[0]) == 1:
         d = jnp.shape(leaves[0])[0]
         if d * m * d <= _MAX_DERIVATIVE_ELEMENTS:
@@ -122,6 +126,12 @@ def _general_milstein_parts(
             raise ValueError(
                 f"`diffrax_linearize.{name}(method='contract')` needs a state that is one "
                 "array of shape `(d,)`; use `method='jvp'` (or `'auto'`) for PyTree states."
+            )
+        if jnp.iscomplexobj(leaves[0]):
+            raise ValueError(
+                f"`diffrax_linearize.{name}(method='contract')` materialises the diffusion's "
+                "derivative, which takes real states only; use `method='jvp'` (or "
+                "`'auto'`) for a complex state."
             )
         (y_leaf,) = leaves
         (g_dW,) = jtu.tree_leaves(g0_prod)
@@ -241,13 +251,14 @@ class GeneralItoMilstein(MilsteinCommon, AbstractAdaptiveSolver, AbstractItoSolv
                 $d \times m \times m$ tensor. For a diffusion linear in the state,
                 $g(y)_{:, j} = A_j y$, the structure engine returns the stored $A$ as the
                 derivative with no work, so the step costs little more than an
-                Euler-Maruyama step. Needs a state that is one array of shape `(d,)`.
+                Euler-Maruyama step. Needs a real state that is one array of shape
+                `(d,)`.
             - `"jvp"`: one JVP of $y \mapsto g(y) I_{j_1, :}$ in the direction
                 $g_{:, j_1}$ per noise channel $j_1$, vectorised: $m$ times the cost of
                 the diffusion (for a dense linear diffusion $d^2 m^2$ flops), but works
                 for any PyTree state and any `diffrax.AbstractTerm.prod`, with nothing
                 materialised.
-            - `"auto"` (default): `"contract"` when the state is one array of shape
+            - `"auto"` (default): `"contract"` when the state is one real array of shape
                 `(d,)` and $d^2 m \le 2^{24}$, since it is then never more expensive
                 and its memory stays bounded; otherwise `"jvp"`.
         """
@@ -319,13 +330,14 @@ class GeneralStratonovichMilstein(
                 $d \times m \times m$ tensor. For a diffusion linear in the state,
                 $g(y)_{:, j} = A_j y$, the structure engine returns the stored $A$ as the
                 derivative with no work, so the step costs little more than an
-                Euler-Maruyama step. Needs a state that is one array of shape `(d,)`.
+                Euler-Maruyama step. Needs a real state that is one array of shape
+                `(d,)`.
             - `"jvp"`: one JVP of $y \mapsto g(y) J_{j_1, :}$ in the direction
                 $g_{:, j_1}$ per noise channel $j_1$, vectorised: $m$ times the cost of
                 the diffusion (for a dense linear diffusion $d^2 m^2$ flops), but works
                 for any PyTree state and any `diffrax.AbstractTerm.prod`, with nothing
                 materialised.
-            - `"auto"` (default): `"contract"` when the state is one array of shape
+            - `"auto"` (default): `"contract"` when the state is one real array of shape
                 `(d,)` and $d^2 m \le 2^{24}$, since it is then never more expensive
                 and its memory stays bounded; otherwise `"jvp"`.
         """
