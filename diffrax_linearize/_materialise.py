@@ -963,17 +963,22 @@ def solver_jacobian(fn: Callable, *args):
     return _materialise(fn, args, 0, False, "auto", False, nan_as_jacfwd=False)
 
 
-def solver_operator(fn: Callable, *args, holomorphic: bool = False):
+def solver_operator(fn: Callable, *args):
     """`materialise_operator(fn, *args)` for the solvers' own operators (root finders,
     Rosenbrock methods): without the search for rows that `jax.jvp` makes NaN whatever the
     vector (two more Jacobian-vector products per operator), where a solve has no use for
     `jax.jvp`'s NaN and the structure's derivative is the better one.
+
+    A complex state (the first argument) takes the complex Jacobian that
+    `jax.jacfwd(..., holomorphic=True)` gives, as Diffrax's implicit solvers take it
+    (`lineax.JacobianLinearOperator` materialises a complex function that way).
 
     The Python scalars among the other arguments (an `args=0.7` that `diffrax.diffeqsolve`
     passes on as it is) are closed over, not traced: the functions the solvers hand over
     are closure-converted by optimistix and lineax, which keep such leaves static and refuse
     to be called with an array in their place."""
     y, rest = args[0], args[1:]
+    holomorphic = any(jnp.iscomplexobj(leaf) for leaf in jtu.tree_leaves(y))
     dynamic, static = eqx.partition(rest, eqx.is_array)
 
     def with_static(y, dynamic):

@@ -50,7 +50,7 @@ def _jacobian(solver, fn, y, args) -> lx.AbstractLinearOperator:
             "initial state complex (`y0.astype(jnp.complex128)`), or every one real (split "
             "a complex array into its real and imaginary parts)."
         )
-    return solver_operator(lambda y, args: fn(y, args)[0], y, args, holomorphic=any(complex_leaves))
+    return solver_operator(lambda y, args: fn(y, args)[0], y, args)
 
 
 class _ChordState(eqx.Module):

@@ -415,9 +415,7 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         # derivative -h J in the same structure is one forward-mode pass.
         # A complex state's J is the complex one, as Diffrax's implicit solvers take it.
         def M_of(s_):
-            return solver_operator(
-                lambda z, _: z - s_ * g(t, z), y, None, holomorphic=jnp.iscomplexobj(y)
-            )
+            return solver_operator(lambda z, _: z - s_ * g(t, z), y, None)
 
         M, dM = eqx.filter_jvp(M_of, (s,), (jnp.ones_like(s),))
         # A state with no entries: the operator's empty arrays get no tangent (`None`).

@@ -133,8 +133,7 @@ def _filter_stiff(solver, terms, t0, t1, y1, args, y_error: _Y) -> _Y:
         with jax.numpy_dtype_promotion("standard"):
             return jtu.tree_map(lambda z, f: z - solver.theta * f, z, fz)
 
-    complex_state = any(jnp.iscomplexobj(y) for y in jtu.tree_leaves(y1))
-    operator = solver_operator(relation, y1, args, holomorphic=complex_state)
+    operator = solver_operator(relation, y1, args)
     # A failed root find's infinite estimate stays infinite (the step is rejected).
     finite = jtu.tree_map(lambda e: jnp.where(jnp.isfinite(e), e, 0), y_error)
     filtered = lx.linear_solve(operator, finite, StructuredLinearSolver(), throw=False).value

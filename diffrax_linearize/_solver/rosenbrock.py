@@ -454,9 +454,7 @@ class AbstractRodas(AbstractAdaptiveSolver):
         # identity, so W keeps J's block, band or sparsity pattern (with its diagonal). A
         # complex state's J is the complex Jacobian, as Diffrax's implicit solvers take.
         gamma = tab.gamma
-        W = solver_operator(
-            lambda y, _: y / gamma - g(t0, y), flat0, None, holomorphic=jnp.iscomplexobj(flat0)
-        )
+        W = solver_operator(lambda y, _: y / gamma - g(t0, y), flat0, None)
         state = self.linear_solver.init(W, {})
         solve = _stage_solver(self, W, state, g, t0, flat0, gamma, exact=True)
         flat1, error, _, ks, result = _stages(tab, g, solve, t0, h, flat0, dtype)
@@ -738,12 +736,7 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
         one = jnp.ones((), flat0.dtype)
 
         def W_of(s):
-            return solver_operator(
-                lambda y, _: y / gamma - s * g(t0, y),
-                flat0,
-                None,
-                holomorphic=jnp.iscomplexobj(flat0),
-            )
+            return solver_operator(lambda y, _: y / gamma - s * g(t0, y), flat0, None)
 
         return eqx.filter_jvp(W_of, (one,), (one,))
 
