@@ -657,9 +657,7 @@ def _select_stiff(config, items) -> None:
 
     known = {} if plain else STIFF_KNOWN_FAILURES
     if controller and not plain:
-        import equinox
-
-        known = {**known, **_known(STIFF_CONTROLLER_KNOWN_FAILURES, equinox)}
+        known = {**known, **_known(STIFF_CONTROLLER_KNOWN_FAILURES)}
     select(config, items, keep, known)
 
 
@@ -724,7 +722,6 @@ def _select_controller(config, items) -> None:
     """The tests whose code names `diffrax.PIDController`, but for `CONTROLLER_DESELECTED`;
     of a parametrised controller, only the cases of ours (in the baseline,
     `DIFFRAX_SUITE_PLAIN=1`, the same cases with Diffrax's `PIDController`)."""
-    import equinox
     from outside_suite import select
 
     plain = bool(os.environ.get("DIFFRAX_SUITE_PLAIN"))
@@ -734,7 +731,7 @@ def _select_controller(config, items) -> None:
             return False
         return _names_controller(item, plain)
 
-    select(config, items, keep, {} if plain else _known(CONTROLLER_KNOWN_FAILURES, equinox))
+    select(config, items, keep, {} if plain else _known(CONTROLLER_KNOWN_FAILURES))
 
 
 def _names_controller(item, plain: bool) -> bool:
@@ -757,9 +754,11 @@ def _names_controller(item, plain: bool) -> bool:
     return "PIDController" in inspect.getsource(item.function)
 
 
-def _known(failures: dict, equinox) -> dict:
+def _known(failures: dict) -> dict:
     """`failures` with an exception named as text resolved as equinox's (which is not
     imported before collection)."""
+    import equinox
+
     return {
         nodeid: (reason, getattr(equinox, raises) if isinstance(raises, str) else raises)
         for nodeid, (reason, raises) in failures.items()
@@ -774,13 +773,11 @@ def _select_sde(config, items) -> None:
     if os.environ.get("DIFFRAX_SUITE_PLAIN"):
         return
 
-    import equinox
-
     def keep(item):
         params = getattr(getattr(item, "callspec", None), "params", {})
         return params.get("solver_ctr", object).__module__.startswith("diffrax_linearize")
 
-    select(config, items, keep, _known(SDE_KNOWN_FAILURES, equinox))
+    select(config, items, keep, _known(SDE_KNOWN_FAILURES))
 
 
 def upstream_terminate(self, fn, y, args, options, state, tags):
