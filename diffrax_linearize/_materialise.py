@@ -1083,6 +1083,14 @@ def _materialise_operator(fn, args, argnums, holomorphic, mode, strict, *, nan_a
     if not isinstance(argnums, int):
         raise TypeError(f"`{api}`: `argnums` must be a single int, got {argnums!r}.")
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, holomorphic, api)
+    dtypes = sorted({str(jnp.result_type(x)) for x in diff})
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"`{api}`: the differentiated argument mixes arrays of dtypes "
+            f"{', '.join(dtypes)}, and a `lineax` operator takes one input dtype. Give every "
+            "array the same dtype (`jax.tree.map(lambda x: x.astype(jnp.float64), y)`), or "
+            "use `diffrax_linearize.materialise`, whose blocks keep their own dtypes."
+        )
     dynamic, static = _split_consts(closed.consts)
     spec = _Spec(
         closed.jaxpr,

@@ -41,16 +41,31 @@ def _jacobian(solver, fn, y, args) -> lx.AbstractLinearOperator:
     complex function that way): exact for a holomorphic vector field; for another, the
     complex-linear map that agrees with the derivative along real directions, with which
     the iteration still converges for small enough steps, only more slowly."""
+    _check_not_mixed(solver, y)
+    return solver_operator(lambda y, args: fn(y, args)[0], y, args)
+
+
+def _check_not_mixed(solver, y) -> None:
+    """A state of one dtype: the Jacobian is a lineax operator, which has one input dtype.
+    Checked before anything else of the iteration (under strict dtype promotion the
+    iteration's own scalars would otherwise fail first, with JAX's promotion error)."""
     leaves = jtu.tree_leaves(y)
+    name = f"diffrax_linearize.{type(solver).__name__}"
     complex_leaves = [jnp.iscomplexobj(x) for x in leaves]
     if any(complex_leaves) and not all(complex_leaves):
-        name = f"diffrax_linearize.{type(solver).__name__}"
         raise TypeError(
             f"`{name}`: the state mixes real and complex arrays. Make every array of the "
             "initial state complex (`y0.astype(jnp.complex128)`), or every one real (split "
             "a complex array into its real and imaginary parts)."
         )
-    return solver_operator(lambda y, args: fn(y, args)[0], y, args)
+    dtypes = sorted({str(jnp.result_type(x)) for x in leaves})
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"`{name}`: the state mixes arrays of dtypes {', '.join(dtypes)}, and its "
+            "Jacobian is a `lineax` operator, which takes one input dtype. Give every array "
+            "of the initial state the same dtype, e.g. "
+            "`jax.tree.map(lambda x: x.astype(jnp.float64), y0)`."
+        )
 
 
 class _ChordState(eqx.Module):
@@ -314,6 +329,7 @@ class Newton(optx.AbstractRootFinder):
         _check_tols(self)
 
     def init(self, fn, y, args, options, f_struct, aux_struct, tags):
+        _check_not_mixed(self, y)
         return _initial_state(y, None)
 
     def step(self, fn, y, args, options, state, tags):

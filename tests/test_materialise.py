@@ -1705,6 +1705,21 @@ def test_bad_input_is_not_an_internal_error():
     assert "`diffrax_linearize.materialise`" in str(info.value)
 
 
+def test_operator_of_mixed_dtypes_is_a_clear_error():
+    # lineax's operators take one input dtype: a float32 and a float64 array gave lineax's
+    # "`pytree` does not have a consistent `input_structure`". `materialise` takes them.
+    y = (jnp.ones(2, jnp.float32), jnp.ones(3, jnp.float64))
+
+    def fn(y):
+        return jax.tree.map(lambda x: jnp.sin(x) * 2, y)
+
+    with pytest.raises(TypeError, match=r"materialise_operator`: .* float32, float64"):
+        dl.materialise_operator(fn, y)
+    blocks = dl.materialise(fn, y)
+    assert blocks[0][0].dtype == jnp.float32 and blocks[1][1].dtype == jnp.float64
+    assert_tree_allclose(blocks, jax.jacfwd(fn)(y))
+
+
 @pytest.mark.parametrize(
     "name, fn",
     [

@@ -395,15 +395,36 @@ def test_complex_state(make, field):
     assert_tree_allclose(newton.ys, default.ys, rtol=1e-4, atol=1e-7)
 
 
-def test_mixed_real_and_complex_state():
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+def test_mixed_real_and_complex_state(promotion):
+    # Under strict promotion too (as Diffrax's and optimistix's suites run), where `Newton`
+    # once computed the dtype of its scalars from the state before checking it, and so
+    # raised JAX's TypePromotionError instead of this.
     def stage(y, args):
         return jtu.tree_map(lambda x: x - 0.1 * x**2, y), None
 
     y = (jnp.ones(2), jnp.ones(2, jnp.complex128))
     tols = dict(rtol=1e-8, atol=1e-8, norm=optx.max_norm)
     for cls in (dl.VeryChord, dl.Newton):
-        with pytest.raises(TypeError, match="mixes real and complex"):
-            optx.root_find(stage, cls(**tols), y, has_aux=True)
+        with jax.numpy_dtype_promotion(promotion):
+            with pytest.raises(TypeError, match="mixes real and complex"):
+                optx.root_find(stage, cls(**tols), y, has_aux=True)
+
+
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+def test_mixed_precision_state(promotion):
+    # A state of float32 and float64 arrays: its Jacobian cannot be one lineax operator
+    # (neither `optimistix.Newton` nor `lineax.JacobianLinearOperator` takes it), which
+    # lineax reported as "`pytree` does not have a consistent `input_structure`".
+    def stage(y, args):
+        return jtu.tree_map(lambda x: x - 0.5 - 0.1 * x**2, y), None
+
+    y = (jnp.ones(2, jnp.float32), jnp.ones(3, jnp.float64))
+    tols = dict(rtol=1e-6, atol=1e-6, norm=optx.max_norm)
+    for cls in (dl.VeryChord, dl.Newton):
+        with jax.numpy_dtype_promotion(promotion):
+            with pytest.raises(TypeError, match=r"dtypes float32, float64.*same dtype"):
+                optx.root_find(stage, cls(**tols), y, has_aux=True)
 
 
 # ---- drift-implicit SDE solvers --------------------------------------------------------------
