@@ -1,7 +1,9 @@
-"""Type aliases shared between modules."""
+"""Type aliases and dtype helpers shared between modules."""
 
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
+import jax
+import jax.numpy as jnp
 from jaxtyping import ArrayLike, Real
 
 
@@ -12,3 +14,13 @@ MaterialiseMode: TypeAlias = Literal["auto", "forward", "reverse"]
 
 # A real scalar: a Python number or a 0-d array (Diffrax's own alias is private).
 RealScalarLike: TypeAlias = Real[ArrayLike, ""]
+
+
+def common_dtype(*xs: Any) -> Any:
+    """`jnp.result_type(*xs)` under JAX's standard promotion rules, whatever the rules in
+    force: the one dtype the library's own arrays take for inputs of several dtypes (the
+    basis of a Jacobian of float32 and float64 leaves, the norms of a model's float32 and
+    bfloat16 parameters), which has no value under `jax_numpy_dtype_promotion="strict"`.
+    Each leaf's own numbers keep their dtype."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.result_type(*xs)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from ._custom_types import common_dtype
 from ._materialise import structured_blocks
 from ._sparsity import diagonal, to_dense
 
@@ -47,7 +48,7 @@ def jacobian_diagonal(fn: Callable[[PyTree], PyTree], x: PyTree) -> PyTree:
         )
     blocks, _, _ = structured_blocks(fn, x)
     in_shapes = [tuple(jnp.shape(a)) for a in in_leaves]
-    dtype = jnp.result_type(*out_leaves) if out_leaves else jnp.result_type(*in_leaves)
+    dtype = common_dtype(*out_leaves) if out_leaves else common_dtype(*in_leaves)
     if [a.shape for a in out_leaves] == in_shapes:  # leaf by leaf: the diagonal blocks
         diags = [
             jnp.zeros(s, dtype) if blocks[p][p] is None else diagonal(blocks[p][p])

@@ -14,7 +14,7 @@ import numpy as np
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
 from ._colouring import colour_columns, pattern_of
 from ._compat import bind_eqn, dce_jaxpr, is_literal, prim
-from ._custom_types import MaterialiseMode
+from ._custom_types import common_dtype, MaterialiseMode
 from ._interpreter import (
     call_jaxpr,
     Context,
@@ -700,7 +700,7 @@ def _jacfwd_cells(spec: _Spec, f_jvp, diff, chunk: int | None = _FALLBACK_CHUNK)
     `jax.jacfwd` does."""
     sizes = [math.prod(jnp.shape(x)) for x in diff]
     n = sum(sizes)
-    dtype = jnp.result_type(*diff)
+    dtype = common_dtype(*diff)
     splits = np.cumsum(sizes)[:-1].tolist()
     chunk = n if chunk is None else min(n, chunk)
     avals = [v.aval for v in spec.jaxpr.outvars]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._compat import is_tracer
+from ._custom_types import common_dtype
 from ._structure import (
     _plain_add,
     BAND,
@@ -195,7 +196,7 @@ def _band_val(b: Struct, labels: Sequence[int], traced=False):
 def ell_concat_entries(blocks: Sequence[Struct]) -> Struct:
     """The sum of `Ell` blocks over the same in axes: their entries side by side."""
     labels = sorted({label for b in blocks for label in b.val_labels} | {BAND})
-    dtype = jnp.result_type(*[b.val.dtype for b in blocks])
+    dtype = common_dtype(*[b.val.dtype for b in blocks])
     traced = not all(is_known(b.val) for b in blocks)
     vals = [_band_val(b, labels, traced) for b in blocks]
     axis = labels.index(BAND)
@@ -253,7 +254,7 @@ def stack_rows(blocks: Sequence[Struct]):
         {l for b in blocks for l, label in enumerate(b.in_labels) if label in b.val_labels}
     )
     in_shape = blocks[0].in_shape
-    dtype = jnp.result_type(*[b.val.dtype for b in blocks])
+    dtype = common_dtype(*[b.val.dtype for b in blocks])
     traced = not all(is_known(b.val) for b in blocks)
     vals, tmaps, masks = [], [], []
     for b in blocks:

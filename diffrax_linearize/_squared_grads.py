@@ -40,6 +40,7 @@ from jaxtyping import Array, Float, PyTree
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
 from ._colouring import apply_block
 from ._compat import bind_eqn, is_literal, jaxpr_as_fun, new_jaxpr, prim
+from ._custom_types import common_dtype
 from ._interpreter import (
     Context,
     eval_jaxpr,
@@ -642,7 +643,7 @@ def _compute(
     grads: dict[int, Array] = dict(zip(in_pass, pass_grads))
 
     sq: dict[int, Array] = {}
-    norms = jnp.zeros((n,), jnp.result_type(*diff_leaves) if diff_leaves else float)
+    norms = jnp.zeros((n,), common_dtype(*diff_leaves) if diff_leaves else float)
     structs = {i: jax.ShapeDtypeStruct(x.shape, x.dtype) for i, x in enumerate(diff_leaves)}
     per_example_leaves = []  # leaves whose per-example gradients are formed
     for leaf, leaf_uses in by_leaf.items():

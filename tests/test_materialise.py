@@ -969,7 +969,7 @@ def test_operator_pytree():
     assert_tree_allclose(op.pytree, jax.jacfwd(fn)(x), rtol=1e-14)
 
 
-_CA = _const((6, 6), 46, jnp.float64) + 1j * _const((6, 6), 47, jnp.float64)
+_CA = jax.lax.complex(_const((6, 6), 46, jnp.float64), _const((6, 6), 47, jnp.float64))
 
 
 @pytest.mark.parametrize(
@@ -1705,19 +1705,31 @@ def test_bad_input_is_not_an_internal_error():
     assert "`diffrax_linearize.materialise`" in str(info.value)
 
 
-def test_operator_of_mixed_dtypes_is_a_clear_error():
-    # lineax's operators take one input dtype: a float32 and a float64 array gave lineax's
-    # "`pytree` does not have a consistent `input_structure`". `materialise` takes them.
-    y = (jnp.ones(2, jnp.float32), jnp.ones(3, jnp.float64))
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+def test_mixed_dtypes(promotion):
+    # Leaves of two dtypes. `materialise` returns each block in its own dtype, as
+    # `jax.jacfwd` does; under strict promotion too, where `jax.jacfwd` itself raises (its
+    # basis takes the leaves' common dtype), and so did `materialise` and
+    # `jacobian_diagonal`. lineax's operators take one input dtype: `materialise_operator`
+    # says so (lineax said "`pytree` does not have a consistent `input_structure`").
+    y = (_input((2,), jnp.float32), _input((3,), jnp.float64, 1))
 
     def fn(y):
-        return jax.tree.map(lambda x: jnp.sin(x) * 2, y)
+        return (jnp.sin(y[0]) * 2, jnp.cos(y[1]) * y[0][0].astype(jnp.float64))
 
-    with pytest.raises(TypeError, match=r"materialise_operator`: .* float32, float64"):
-        dl.materialise_operator(fn, y)
-    blocks = dl.materialise(fn, y)
-    assert blocks[0][0].dtype == jnp.float32 and blocks[1][1].dtype == jnp.float64
-    assert_tree_allclose(blocks, jax.jacfwd(fn)(y))
+    expected = jax.jacfwd(fn)(y)
+    with jax.numpy_dtype_promotion(promotion):
+        with pytest.raises(TypeError, match=r"materialise_operator`: .* float32, float64"):
+            dl.materialise_operator(fn, y)
+        for mode in ("forward", "reverse"):
+            blocks = dl.materialise(fn, y, mode=mode)
+            assert jax.tree.map(lambda b: b.dtype, blocks) == jax.tree.map(
+                lambda b: b.dtype, expected
+            )
+            assert_tree_allclose(blocks, expected, rtol=1e-6)
+        diagonal = dl.jacobian_diagonal(fn, y)
+    for d, block in zip(diagonal, (expected[0][0], expected[1][1])):
+        np.testing.assert_allclose(d, jnp.diagonal(block), rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -369,6 +369,39 @@ def test_chunks(case):
     _check(*CASES[case](), chunk_size=3)
 
 
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+def test_mixed_precision_parameters(promotion):
+    # float32 weights beside a bfloat16 scale, as in mixed-precision training. Under strict
+    # promotion the three functions raised JAX's TypePromotionError (the norms' dtype was
+    # the parameters' common dtype), where `jax.vmap(jax.grad(...))` works.
+    params = {
+        "w": jnp.asarray(np.random.RandomState(0).randn(4, 3), jnp.float32),
+        "v": jnp.asarray(np.random.RandomState(1).randn(3), jnp.bfloat16),
+    }
+    x = jnp.asarray(np.random.RandomState(2).randn(6, 4), jnp.float32)
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["w"]) * p["v"].astype(jnp.float32))
+
+    grads = jax.vmap(jax.grad(loss), (None, 0))(params, x)
+    ref_sq = jtu.tree_map(lambda g: jnp.sum(g.astype(jnp.float32) ** 2, axis=0), grads)
+    ref_norms = jnp.sqrt(
+        sum(jnp.sum(g.astype(jnp.float32).reshape(6, -1) ** 2, axis=1) for g in grads.values())
+    )
+    with jax.numpy_dtype_promotion(promotion):
+        sq = dl.sum_squared_grads(loss, params, x)
+        norms = dl.per_example_grad_norms(loss, params, x)
+        value, grad, sq2 = dl.value_grad_and_sum_squared_grads(loss, params, x)
+    assert sq["w"].dtype == jnp.float32 and sq["v"].dtype == jnp.bfloat16
+    assert norms.dtype == jnp.float32
+    for got in (sq, sq2):
+        np.testing.assert_allclose(got["w"], ref_sq["w"], rtol=1e-5)
+        np.testing.assert_allclose(got["v"].astype(jnp.float32), ref_sq["v"], rtol=2e-2)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-2)
+    np.testing.assert_allclose(value, jnp.sum(jax.vmap(loss, (None, 0))(params, x)), rtol=1e-5)
+    np.testing.assert_allclose(grad["w"], jnp.sum(grads["w"], axis=0), rtol=1e-5)
+
+
 def test_eager():
     _check(*_static_leaves_case(), jit=False)
 
