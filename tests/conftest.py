@@ -42,6 +42,15 @@ import pytest  # noqa: E402
 # Float64 everywhere: the references (`jax.jacfwd`, per-example `vmap(grad)`, diffrax's own
 # solvers) are compared to tight tolerances. Tests of float32 ask for it explicitly.
 jax.config.update("jax_enable_x64", True)
+# Strict dtype promotion, as Diffrax's, Lineax's and Optimistix's suites run: an implicit
+# promotion between two dtypes raises. Run so, their suites found promotions inside the
+# library that users who set it would meet (the Lévy areas' keys, the ensemble
+# reductions, a complex state under real noise, the root finders on a mixed state, the
+# squared gradients of a mixed-precision model); the whole suite now does. Nothing here
+# depends on the rules otherwise: a program that passes under them computes the same
+# numbers under the standard ones. Tests whose own code needs the standard rules (a real
+# array times a Python complex, as users write under them) are marked `standard_promotion`.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 def pytest_runtest_teardown(item, nextitem):
@@ -71,6 +80,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "default_xla_opt" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _promotion_rules(request):
+    if request.node.get_closest_marker("standard_promotion") is None:
+        yield
+        return
+    with jax.numpy_dtype_promotion("standard"):
+        yield
 
 
 @pytest.fixture

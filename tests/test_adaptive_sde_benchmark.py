@@ -56,6 +56,7 @@ def _grid_checks():
     )
 
 
+@pytest.mark.standard_promotion
 def test_grid_path_matches_chen_and_the_grid_path():
     x = jax.jit(_grid_checks)()
     a, b, c = x["a"], x["b"], x["c"]

@@ -618,6 +618,7 @@ def test_empty_state(dtype):
     assert sol.ts[-1] == 1.0
 
 
+@pytest.mark.standard_promotion
 def test_complex_mixed_state_raises():
     """A pytree state of real and complex arrays is a clear error: flattened together
     the real arrays would come back cast from complex."""

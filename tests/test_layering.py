@@ -48,6 +48,8 @@ def test_no_import_cycles():
 def test_storage_algebra_at_the_bottom():
     graph = _imports()
     assert graph["_structure"] <= {"_compat"}, graph["_structure"]
-    assert graph["_sparsity"] <= {"_compat", "_structure"}, graph["_sparsity"]
+    # Shared type aliases and dtype helpers, beneath everything.
+    assert not graph["_custom_types"], graph["_custom_types"]
+    assert graph["_sparsity"] <= {"_compat", "_custom_types", "_structure"}, graph["_sparsity"]
     for engine in ("_interpreter", "_rules", "_loops", "_colouring"):
         assert not graph[engine] & {"_materialise", "_operators", "_term"}, (engine, graph[engine])

@@ -409,7 +409,11 @@ def _(dt):
 
 @case("fft")
 def _(dt):
-    return lambda x: (jnp.fft.fft(x), jnp.fft.rfft(x), jnp.fft.fft2(x * 1j)), (_input((4, 6), dt),)
+    return lambda x: (
+        jnp.fft.fft(x),
+        jnp.fft.rfft(x),
+        jnp.fft.fft2(lax.complex(jnp.zeros_like(x), x)),
+    ), (_input((4, 6), dt),)
 
 
 @case("triangular_solve_rhs")
@@ -692,6 +696,7 @@ def test_auto_mode_keeps_precision(dtype):
     assert not np.allclose(jax.jacrev(fn)(x), expected, rtol=1e-10, atol=0)  # what reverse gives
 
 
+@pytest.mark.standard_promotion
 def test_complex_output_auto_mode():
     # Fewer outputs than inputs selects reverse mode; a real-to-complex map must not lose
     # the imaginary part of its Jacobian there.
@@ -983,10 +988,11 @@ _CA = jax.lax.complex(_const((6, 6), 46, jnp.float64), _const((6, 6), 47, jnp.fl
     ],
     ids=["dense", "diagonal", "not-holomorphic", "block-diagonal", "stencil"],
 )
+@pytest.mark.standard_promotion  # `jnp.abs(x) * x`: a real array times a complex one
 def test_operator_holomorphic(fn, kind):
     # Complex in and out: the matrix `jax.jacfwd(holomorphic=True)` gives (the derivatives
     # along real directions), which is what `lineax.JacobianLinearOperator` materialises.
-    x = _input((6,), jnp.float64) * (1 + 0.5j) + 0.3j
+    x = _input((6,), jnp.complex128) * (1 + 0.5j) + 0.3j
     op = dl.materialise_operator(fn, x, holomorphic=True)
     if kind is not None:
         assert isinstance(op, kind)
@@ -1717,7 +1723,8 @@ def test_mixed_dtypes(promotion):
     def fn(y):
         return (jnp.sin(y[0]) * 2, jnp.cos(y[1]) * y[0][0].astype(jnp.float64))
 
-    expected = jax.jacfwd(fn)(y)
+    with jax.numpy_dtype_promotion("standard"):
+        expected = jax.jacfwd(fn)(y)
     with jax.numpy_dtype_promotion(promotion):
         with pytest.raises(TypeError, match=r"materialise_operator`: .* float32, float64"):
             dl.materialise_operator(fn, y)

@@ -69,35 +69,35 @@ def _vf_additive(t, y, args):
 
 
 def _vf_commuting_linear(t, y, args):
-    return jnp.einsum("ijk,k->ij", _B_COMMUTING, y)
+    return jnp.einsum("ijk,k->ij", _B_COMMUTING.astype(y.dtype), y)
 
 
 def _vf_general_linear(t, y, args):
-    return jnp.einsum("ijk,k->ij", _B_GENERAL, y)
+    return jnp.einsum("ijk,k->ij", _B_GENERAL.astype(y.dtype), y)
 
 
 def _vf_general_nonlinear(t, y, args):
     # A derivative stored bigger than g that depends on y: the JVP reads B once, as a
     # contraction of the derivative would.
-    return jnp.einsum("ijk,k->ij", _B_GENERAL, jnp.tanh(y))
+    return jnp.einsum("ijk,k->ij", _B_GENERAL.astype(y.dtype), jnp.tanh(y))
 
 
 def _vf_row_scaled(t, y, args):
     # g_ij = f(y_i) G_ij: a derivative that stores no more numbers than g (a delta times
     # G), so the Itô correction contracts it term by term, not with one formed matrix.
-    return (0.5 * jnp.sin(y) + 0.3 * y)[:, None] * _B_GENERAL[:, :, 0]
+    return (0.5 * jnp.sin(y) + 0.3 * y)[:, None] * _B_GENERAL[:, :, 0].astype(y.dtype)
 
 
 def _vf_row_scaled_linear(t, y, args):
     # g_ij = y_i G_ij: linear in y, so the Itô correction's trace term is contracted as
     # (D . D) . y, a sum of squares of G over the noise channels times y.
-    return y[:, None] * _B_GENERAL[:, :, 0]
+    return y[:, None] * _B_GENERAL[:, :, 0].astype(y.dtype)
 
 
 def _vf_column_scaled_linear(t, y, args):
     # g_ij = G_ij y_j: linear in y, with the derivative's state axis tied to the control
     # axis rather than to the row (the general contraction of the linear path).
-    return _B_GENERAL[:, :, 1] * y[None, :]
+    return _B_GENERAL[:, :, 1].astype(y.dtype) * y[None, :]
 
 
 DIFFUSIONS = {
@@ -362,7 +362,7 @@ def _dense_correction(vf, y, m, dw, dt):
     g = lambda _y: jnp.reshape(vf(0.3, _y, None), (y.size, m))
     jac = jax.jacfwd(g)(y)  # [i, j, k] = d g_ij / d y_k
     lg = jnp.einsum("ijk,kl->ilj", jac, g(y))  # [i, j1, j2] = L^{j1} g_{i j2}
-    return jnp.einsum("iab,ab->i", lg, jnp.outer(dw, dw) - dt * jnp.eye(m))
+    return jnp.einsum("iab,ab->i", lg, jnp.outer(dw, dw) - dt * jnp.eye(m, dtype=dw.dtype))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
@@ -380,7 +380,7 @@ def _dense_correction(vf, y, m, dw, dt):
 def test_ito_milstein_correction_against_jacfwd(name, dtype):
     vf, shape = DIFFUSIONS[name]
     m = int(np.prod(shape))
-    diffusion = dfx.ControlTerm(vf, _vbt(shape, jr.key(0)))
+    diffusion = dfx.ControlTerm(vf, _vbt(jax.ShapeDtypeStruct(shape, dtype), jr.key(0)))
     y = jnp.array([0.7, -1.1, 0.4], dtype)
     dw = jr.normal(jr.key(1), (m,), dtype)
     dt = jnp.asarray(0.05, dtype)
@@ -435,8 +435,11 @@ def _dense_linear_step(solver, y, A, key):
     A's dtype (one `normal`)."""
     bm = dfx.UnsafeBrownianPath(jax.ShapeDtypeStruct((A.shape[1],), A.dtype), key)
     terms = dfx.MultiTerm(dfx.ODETerm(lambda t, y, A: -y), dfx.ControlTerm(_dense_linear_vf, bm))
-    state = solver.init(terms, 0.0, 0.01, y, A)
-    return solver.step(terms, 0.0, 0.01, y, A, state, False)[0]
+    # Times of A's dtype: float64 Python times would make the drift's dt float64, which
+    # (under the suite's strict promotion) Diffrax's `ODETerm` refuses for a float32 state.
+    t0, t1 = jnp.asarray(0.0, A.dtype), jnp.asarray(0.01, A.dtype)
+    state = solver.init(terms, t0, t1, y, A)
+    return solver.step(terms, t0, t1, y, A, state, False)[0]
 
 
 def test_ito_step_samples_the_increment_once():
@@ -590,8 +593,7 @@ def test_stratonovich_step_reads_a_once(dtype):
     theirs = jax.jit(functools.partial(_dense_linear_step, dfx.StratonovichMilstein()))
     y, key = jnp.linspace(0.5, 1.5, d, dtype=dtype), jr.key(1)
     got, expected = ours(y, A, key), theirs(y, A, key)
-    # (Both promote to float64 here, through the drift's dt from Python float times.)
-    assert got.dtype == expected.dtype
+    assert got.dtype == expected.dtype == dtype
     tol = 1e-12 if dtype == jnp.float64 else 1e-5
     np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
     if jax.default_backend() != "cpu":
@@ -1032,6 +1034,7 @@ _SOLVERS_COMPLEX = [
 
 
 @pytest.mark.parametrize("complex_noise", [True, False], ids=["complex_bm", "real_bm"])
+@pytest.mark.standard_promotion
 def test_complex_step_against_real_system(complex_noise):
     # Reference: Diffrax's own solver on the equivalent real SDE with the same increments.
     # (Diffrax's `ItoMilstein` run on the complex SDE itself is off by about 1e-2 per step
@@ -1116,6 +1119,7 @@ def test_complex_state_real_noise_under_strict_promotion(solver):
 
 
 @pytest.mark.filterwarnings("ignore:Complex dtype support in Diffrax")
+@pytest.mark.standard_promotion
 def test_diffrax_ito_milstein_on_complex_input_is_off_as_documented():
     # `ItoMilstein`'s docstring and docs/milstein.md: Diffrax's own solver run on the
     # complex SDE is off by about 1e-2 per step of size 0.1, with a real Brownian motion.

@@ -325,7 +325,8 @@ _A_COMPLEX = np.array(
 
 def _complex_rhs(t, y, args):
     # Holomorphic in y, non-autonomous (the stages' df/dt term in complex arithmetic).
-    return jnp.asarray(_A_COMPLEX) @ y + jnp.exp(1j * t) * jnp.array([1.0, 0.0, -1.0j])
+    phase = jnp.exp(1j * jnp.asarray(t).astype(jnp.complex128))
+    return jnp.asarray(_A_COMPLEX) @ y + phase * jnp.array([1.0, 0.0, -1.0j])
 
 
 def _split_rhs(t, uv, args):
@@ -337,6 +338,7 @@ def _split_rhs(t, uv, args):
 @pytest.mark.parametrize(
     "solver", [dl.Rodas5P, pytest.param(dl.Rodas4P, marks=pytest.mark.slow), dl.ROS34PW2]
 )
+@pytest.mark.standard_promotion  # the real system it is checked against mixes dtypes
 def test_complex_state(solver):
     """A complex state (found by Diffrax's `test_ode_order[complex128-*]` in
     `tests/diffrax_suite.py --stiff`; it raised in `materialise_operator` before): the

@@ -539,6 +539,7 @@ def test_nan_faithful_is_a_flag_of_the_rules():
             assert not getattr(registry[p], "nan_faithful", False), p
 
 
+@pytest.mark.standard_promotion
 def test_fft_field_is_jacfwds_program():
     """FFT, dense by nature: the transform of the identity leaves the walk nothing to
     save, and the Jacobian is `jax.jacfwd`'s own program, without the check for its NaNs
@@ -575,14 +576,16 @@ IDIOMS = {
     "dynamic_slice_static": lambda y: lax.dynamic_slice(jnp.sin(y), (3,), (5,)),
     "dynamic_update_slice_static": lambda y: lax.dynamic_update_slice(y, jnp.sin(y[:3]), (4,)),
     "tile_split": lambda y: jnp.tile(jnp.split(y, [4])[1], 2)[:10] * y[:10],
-    "concat_with_constant": lambda y: jnp.concatenate([y[2:], jnp.ones(2), y[:1] ** 2]),
+    "concat_with_constant": lambda y: jnp.concatenate([y[2:], jnp.ones(2, y.dtype), y[:1] ** 2]),
     "pad_interior": lambda y: lax.pad(y, jnp.zeros((), y.dtype), [(1, -1, 1)]) * 3,
     "broadcast_expand": lambda y: jnp.sum(
-        jnp.broadcast_to(y[:4], (3, 4)) * jnp.arange(3.0)[:, None], 0
+        jnp.broadcast_to(y[:4], (3, 4)) * jnp.arange(3.0, dtype=y.dtype)[:, None], 0
     ),
     "sum_of_stencil": lambda y: jnp.sum(jnp.roll(y, 1) * y),
-    "dot_of_stencil": lambda y: jnp.ones((2, 12)) @ (jnp.roll(y, 2) - y),
-    "conv_same": lambda y: jnp.convolve(y, jnp.array([1.0, -2.0, 1.0]), mode="same") + y**2,
+    "dot_of_stencil": lambda y: jnp.ones((2, 12), y.dtype) @ (jnp.roll(y, 2) - y),
+    "conv_same": lambda y: (
+        jnp.convolve(y, jnp.array([1.0, -2.0, 1.0], y.dtype), mode="same") + y**2
+    ),
     "conv_groups": lambda y: eqx.nn.Conv1d(4, 4, 3, groups=2, key=jax.random.key(0), dtype=y.dtype)(
         y.reshape(4, 3)
     ).reshape(-1),

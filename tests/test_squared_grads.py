@@ -308,7 +308,7 @@ def _static_leaves_case():
     }
 
     def loss(p, x, y):
-        h = (x @ p["w"]) * p["mask"] * p["steps"]
+        h = (x @ p["w"]) * (p["mask"] * p["steps"]).astype(x.dtype)
         return jnp.sum(jnp.abs(h - y) ** p["power"])
 
     return loss, params, _normal(k[2], (B, 3)), _normal(k[3], (B, 2))
@@ -338,7 +338,7 @@ CASES = {
     "mlp": _mlp_case,
     "classifier": _classifier_case,
     "equinox": _equinox_case,
-    "flax": _flax_case,
+    "flax": _flax_case,  # flax.linen.BatchNorm needs the standard promotion rules
     "reused_layer": _reused_layer_case,
     "attention_gram": lambda: _attention_case(t=3, c=8),
     "attention_per_example": lambda: _attention_case(t=6, c=4),
@@ -354,7 +354,14 @@ CASES = {
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=pytest.mark.slow) if c.startswith("attention") else c for c in CASES],
+    [
+        pytest.param(c, marks=pytest.mark.slow)
+        if c.startswith("attention")
+        else pytest.param(c, marks=pytest.mark.standard_promotion)
+        if c == "flax"
+        else c
+        for c in CASES
+    ],
 )
 def test_matches_vmap_grad(case):
     _check(*CASES[case]())
@@ -574,7 +581,8 @@ def test_error_wording():
         return jnp.sum(x @ p["w"]).astype(jnp.int32)
 
     def complex_loss(p, x):
-        return jnp.sum(x @ p["w"]) * (1 + 1j)
+        s = jnp.sum(x @ p["w"])
+        return jax.lax.complex(s, s)
 
     def pair_loss(p, x):
         return jnp.sum(x @ p["w"]), x

@@ -22,7 +22,7 @@ def robertson(t, y, args):
 
 
 def _robertson_solve(solver, N=4, t1=10.0, tols=(1e-6, 1e-8)):
-    y0 = jnp.tile(jnp.array([1.0, 0.0, 0.0]), N) * (1 + 0.1 * jnp.arange(3 * N) / (3 * N))
+    y0 = jnp.tile(jnp.array([1.0, 0.0, 0.0]), N) * (1 + 0.1 * jnp.arange(3.0 * N) / (3 * N))
     return diffrax.diffeqsolve(
         diffrax.ODETerm(robertson),
         solver,
@@ -348,7 +348,7 @@ def _complex_blocks(t, y, args):
     # as Diffrax's default root finder takes it.
     u, v = y.reshape(2, -1)
     du = -(3 + 1j) * u + 0.5 * v**2 + 0.2 * jnp.conj(u)
-    dv = -(1 - 2j) * v + 0.3 * u * jnp.abs(v)
+    dv = -(1 - 2j) * v + 0.3 * u * jnp.abs(v).astype(v.dtype)
     return jnp.concatenate([du, dv])
 
 
@@ -373,7 +373,7 @@ def _implicit_euler(rf):
 def test_complex_state(make, field):
     """A complex ODE state: `VeryChord` and `Newton` reach the solution of Diffrax's default
     root finder, with no more rejected steps (its termination test rejects more)."""
-    y0 = (1 + 0.5j) * jnp.linspace(0.5, 1.5, 4) + 0.2j
+    y0 = (1 + 0.5j) * jnp.linspace(0.5, 1.5, 4, dtype=jnp.complex128) + 0.2j
 
     def solve(root_finder):
         return diffrax.diffeqsolve(
