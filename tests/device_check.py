@@ -224,6 +224,9 @@ def cases():
     )
 
     def ensemble_shared():
+        # On the device `_run` runs on: `solve_ensemble` spreads paths over a mesh of
+        # `jax.devices()` unless given one, whatever the default device.
+        mesh = jax.sharding.Mesh(np.asarray([_DEVICE[0]]), ("paths",))
         sol = dl.solve_ensemble(
             lambda key: _diagonal_terms(_path()),
             dl.ItoMilstein(),
@@ -234,6 +237,7 @@ def cases():
             keys=jax.random.split(jax.random.key(1), 4),
             shared_step=True,
             stepsize_controller=pid,
+            mesh=mesh,
         )
         return sol.paths.ys[:, -1]
 
@@ -315,9 +319,16 @@ def cases():
     return out
 
 
+# The device a case runs on, for the cases that must name it.
+_DEVICE = [None]
+
+
 def _run(fn, device):
+    _DEVICE[0] = device
     with jax.default_device(device):
-        return jax.tree.map(np.asarray, jax.block_until_ready(jax.jit(fn)()))
+        out = jax.block_until_ready(jax.jit(fn)())
+    assert {d for leaf in jax.tree.leaves(out) for d in leaf.devices()} == {device}
+    return jax.tree.map(np.asarray, out)
 
 
 def main(argv=None):
