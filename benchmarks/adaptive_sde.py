@@ -380,7 +380,7 @@ class _GridPath(dfx.AbstractBrownianPath):
         dW = W_u - W_s
         if not use_levy:
             return dW
-        dt = (j - i) * self.h
+        dt = (j - i).astype(self.sums.dtype) * self.h
         if self.kind == "iterated":
             area = area_u - area_s - 0.5 * (jnp.outer(W_s, dW) - jnp.outer(dW, W_s))
             return dl.IteratedIntegrals(dt=dt, W=dW, A=area)

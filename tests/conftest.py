@@ -50,8 +50,6 @@ jax.config.update("jax_enable_x64", True)
 # depends on the rules otherwise: a program that passes under them computes the same
 # numbers under the standard ones. Tests whose own code needs the standard rules (a real
 # array times a Python complex, as users write under them) are marked `standard_promotion`.
-# The slow tier (`make test-slow`) still runs under the standard rules: its tests have not
-# been gone through yet (a first run of it under strict rules failed some, 2026-12-07).
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
@@ -86,8 +84,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _promotion_rules(request):
-    marker = request.node.get_closest_marker
-    if marker("standard_promotion") is None and marker("slow") is None:
+    if request.node.get_closest_marker("standard_promotion") is None:
         yield
         return
     with jax.numpy_dtype_promotion("standard"):

@@ -187,7 +187,7 @@ def test_grid_path_chen(getkey):
     # Against a direct loop over iterated Itô integrals:
     # I[s, u] = I[s, t] + I[t, u] + dW[s, t] (x) dW[t, u].
     m, n, h = 3, 12, 0.05
-    ts = jnp.arange(n + 1) * h
+    ts = jnp.arange(n + 1.0) * h
     dW = jnp.sqrt(h) * jr.normal(getkey(), (n, m))
     areas = jax.vmap(lambda k, w: dl.sample_levy_area(k, w, h, 3))(jr.split(getkey(), n), dW)
     path = dl.GridLevyAreaPath(ts, dW, areas)

@@ -603,7 +603,7 @@ class _Counted(eqx.Module):
     steps: int  # Python integer: held fixed
 
     def __call__(self, x):
-        return self.mlp(x * self.scale) / self.steps
+        return self.mlp(x * self.scale.astype(x.dtype)) / self.steps
 
 
 @pytest.mark.slow  # the no-floating-leaf error stays in the default run

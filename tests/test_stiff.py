@@ -338,7 +338,7 @@ def test_root_finder_as_solver_fails_as_documented(cls):
 
 
 def _complex_dense(t, y, args):
-    a = jr.normal(jr.key(3), (4, 4), jnp.complex128) * 0.5 - 2 * jnp.eye(4)
+    a = jr.normal(jr.key(3), (4, 4), jnp.complex128) * 0.5 - 2 * jnp.eye(4, dtype=jnp.complex128)
     return a @ y
 
 

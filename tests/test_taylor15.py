@@ -356,7 +356,10 @@ def test_jit_vmap_float32():
             stepsize_controller=dfx.PIDController(rtol=1e-3, atol=1e-3),
             max_steps=2**10,
         )
-        return sol.ys[-1], _gbm_exact(bm).astype(dtype)
+        # The exact solution in float64 (the path evaluated in its own dtype, cast up).
+        with jax.numpy_dtype_promotion("standard"):
+            exact = _gbm_exact(bm)
+        return sol.ys[-1], exact.astype(dtype)
 
     keys = jr.split(jr.key(7), 8)
     y32, exact32 = jax.jit(jax.vmap(lambda k: solve(k, jnp.float32)))(keys)
