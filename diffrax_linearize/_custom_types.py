@@ -24,3 +24,10 @@ def common_dtype(*xs: Any) -> Any:
     Each leaf's own numbers keep their dtype."""
     with jax.numpy_dtype_promotion("standard"):
         return jnp.result_type(*xs)
+
+
+def mixed_dtypes(xs: Any) -> str | None:
+    """The names of the dtypes among the arrays `xs`, comma-separated, if there is more
+    than one; else `None`. (A lineax operator takes one input dtype.)"""
+    names = sorted({str(jnp.result_type(x)) for x in xs})
+    return ", ".join(names) if len(names) > 1 else None

@@ -14,7 +14,7 @@ import numpy as np
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
 from ._colouring import colour_columns, pattern_of
 from ._compat import bind_eqn, dce_jaxpr, is_literal, prim
-from ._custom_types import common_dtype, MaterialiseMode
+from ._custom_types import common_dtype, MaterialiseMode, mixed_dtypes
 from ._interpreter import (
     call_jaxpr,
     Context,
@@ -1083,11 +1083,11 @@ def _materialise_operator(fn, args, argnums, holomorphic, mode, strict, *, nan_a
     if not isinstance(argnums, int):
         raise TypeError(f"`{api}`: `argnums` must be a single int, got {argnums!r}.")
     closed, diff, rest, diff_tree, out_tree = _trace(fn, args, argnums, holomorphic, api)
-    dtypes = sorted({str(jnp.result_type(x)) for x in diff})
-    if len(dtypes) > 1:
+    dtypes = mixed_dtypes(diff)
+    if dtypes is not None:
         raise TypeError(
             f"`{api}`: the differentiated argument mixes arrays of dtypes "
-            f"{', '.join(dtypes)}, and a `lineax` operator takes one input dtype. Give every "
+            f"{dtypes}, and a `lineax` operator takes one input dtype. Give every "
             "array the same dtype (`jax.tree.map(lambda x: x.astype(jnp.float64), y)`), or "
             "use `diffrax_linearize.materialise`, whose blocks keep their own dtypes."
         )

@@ -15,6 +15,7 @@ import optimistix as optx
 from jaxtyping import Array, Bool, PyTree, Scalar
 
 from ._compat import use_stepsize_tol
+from ._custom_types import mixed_dtypes
 from ._linear_solver import resolution, StructuredLinearSolver
 from ._materialise import solver_operator
 
@@ -45,12 +46,9 @@ def _jacobian(solver, fn, y, args) -> lx.AbstractLinearOperator:
     return solver_operator(lambda y, args: fn(y, args)[0], y, args)
 
 
-def _check_not_mixed(solver, y) -> None:
-    """A state of one dtype: the Jacobian is a lineax operator, which has one input dtype.
-    Checked before anything else of the iteration (under strict dtype promotion the
-    iteration's own scalars would otherwise fail first, with JAX's promotion error)."""
-    leaves = jtu.tree_leaves(y)
-    name = f"diffrax_linearize.{type(solver).__name__}"
+def check_real_or_complex(name: str, leaves) -> None:
+    """The arrays of a state are all real or all complex (the root finders, and `BDF`,
+    whose flattened state would cast real arrays to complex and back)."""
     complex_leaves = [jnp.iscomplexobj(x) for x in leaves]
     if any(complex_leaves) and not all(complex_leaves):
         raise TypeError(
@@ -58,10 +56,19 @@ def _check_not_mixed(solver, y) -> None:
             "initial state complex (`y0.astype(jnp.complex128)`), or every one real (split "
             "a complex array into its real and imaginary parts)."
         )
-    dtypes = sorted({str(jnp.result_type(x)) for x in leaves})
-    if len(dtypes) > 1:
+
+
+def _check_not_mixed(solver, y) -> None:
+    """A state of one dtype: the Jacobian is a lineax operator, which has one input dtype.
+    Checked before anything else of the iteration (under strict dtype promotion the
+    iteration's own scalars would otherwise fail first, with JAX's promotion error)."""
+    leaves = jtu.tree_leaves(y)
+    name = f"diffrax_linearize.{type(solver).__name__}"
+    check_real_or_complex(name, leaves)
+    dtypes = mixed_dtypes(leaves)
+    if dtypes is not None:
         raise TypeError(
-            f"`{name}`: the state mixes arrays of dtypes {', '.join(dtypes)}, and its "
+            f"`{name}`: the state mixes arrays of dtypes {dtypes}, and its "
             "Jacobian is a `lineax` operator, which takes one input dtype. Give every array "
             "of the initial state the same dtype, e.g. "
             "`jax.tree.map(lambda x: x.astype(jnp.float64), y0)`."

@@ -40,7 +40,7 @@ from .._linear_solver import (
     with_diagonal,
 )
 from .._materialise import solver_operator
-from .._root_finder import VeryChord
+from .._root_finder import check_real_or_complex, VeryChord
 from .corrector import corrector, without_derivatives
 from .rosenbrock import _affine, _check_ode, _flat_increment
 
@@ -467,14 +467,8 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
         _check_ode(self, terms, t0, t1)
         t0 = jnp.asarray(t0)
         flat0, _, dtype, g = _flat_increment(terms, t0, t1, y0, args)
-        leaves = jtu.tree_leaves(y0)
-        if jnp.iscomplexobj(flat0) and not all(jnp.iscomplexobj(x) for x in leaves):
-            # Flattened, the real arrays would become complex and come back cast to real.
-            raise TypeError(
-                "`diffrax_linearize.BDF`: the state mixes real and complex arrays. Make "
-                "every array of the initial state complex (`y0.astype(jnp.complex128)`), or "
-                "every one real (split a complex array into its real and imaginary parts)."
-            )
+        # Flattened, real arrays beside complex ones would come back cast to real.
+        check_real_or_complex("diffrax_linearize.BDF", jtu.tree_leaves(y0))
         real = _real(dtype)
         h = (jnp.asarray(t1) - t0).astype(real)
         _, alpha, _ = _coefficients(self.ndf)
