@@ -224,9 +224,9 @@ def cases():
     )
 
     def ensemble_shared():
-        # On the device `_run` runs on: `solve_ensemble` spreads paths over a mesh of
+        # On the default device `_run` sets: `solve_ensemble` spreads paths over a mesh of
         # `jax.devices()` unless given one, whatever the default device.
-        mesh = jax.sharding.Mesh(np.asarray([_DEVICE[0]]), ("paths",))
+        mesh = jax.sharding.Mesh(np.asarray([jax.config.jax_default_device]), ("paths",))
         sol = dl.solve_ensemble(
             lambda key: _diagonal_terms(_path()),
             dl.ItoMilstein(),
@@ -319,12 +319,7 @@ def cases():
     return out
 
 
-# The device a case runs on, for the cases that must name it.
-_DEVICE = [None]
-
-
 def _run(fn, device):
-    _DEVICE[0] = device
     with jax.default_device(device):
         out = jax.block_until_ready(jax.jit(fn)())
     assert {d for leaf in jax.tree.leaves(out) for d in leaf.devices()} == {device}
