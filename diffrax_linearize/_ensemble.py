@@ -28,6 +28,19 @@ _FAILED_MSG = (
 )
 
 
+def _default_mesh() -> Mesh:
+    """All devices, or the default device alone where one is set (as JAX places a jitted
+    function's computation: a platform name means that platform's first local device)."""
+    default = jax.config.jax_default_device
+    if default is None:
+        devices = jax.devices()
+    elif isinstance(default, str):
+        devices = jax.local_devices(backend=default)[:1]
+    else:
+        devices = [default]
+    return Mesh(np.asarray(devices), ("paths",))
+
+
 class EnsembleSolution(eqx.Module):
     """The result of [`diffrax_linearize.solve_ensemble`][].
 
@@ -362,7 +375,11 @@ def solve_ensemble(
         or `diffrax.ForwardMode`.
     - `mesh`: the `jax.sharding.Mesh` to shard paths over. Defaults to a
         one-dimensional mesh of all devices, `jax.devices()` (every host's, after
-        `jax.distributed.initialize()`).
+        `jax.distributed.initialize()`); but where a default device is set
+        (`with jax.default_device(device):` or the `jax_default_device` option), a mesh
+        of that device alone, where JAX would run a jitted function: `jax.devices()`
+        lists the accelerators whatever the default device, so an ensemble asked for on
+        the CPU of an accelerator's machine would otherwise run on the accelerator.
     - `axis_names`: the mesh axes to shard paths over (their product). Defaults to all
         axes of `mesh`.
     - `throw`: whether to raise an error if any path fails (for example by running
@@ -465,7 +482,7 @@ def solve_ensemble(
             )
         check_lanes_options(saveat, diffeqsolve_kwargs)
     if mesh is None:
-        mesh = Mesh(np.asarray(jax.devices()), ("paths",))
+        mesh = _default_mesh()
     if axis_names is None:
         axis_names = tuple(mesh.axis_names)
     elif isinstance(axis_names, str):

@@ -461,6 +461,26 @@ for lo in range(0, 13, 2):
 check(len(set(steps)) > 3 and int(out.num_failed) == 0, (steps, out.num_failed))
 stage("shared step")
 
+# 8b. A default device set (`jax.default_device`, a device or a platform name) is where
+# the default mesh puts the ensemble, as JAX puts a jitted function: that device alone,
+# not all of `jax.devices()`; and its paths are those of a mesh of that device given.
+keys16 = jr.split(jr.key(8), 16)
+expected = reference(elementwise_terms, diffrax.Heun(), keys16, y0, 1.0)
+for default, device in [(jax.devices()[3], jax.devices()[3]), ("cpu", jax.devices()[0])]:
+    with jax.default_device(default):
+        out = dl.solve_ensemble(
+            elementwise_terms, diffrax.Heun(), 0.0, T1, DT, y0, 1.0, keys=keys16, saveat=SAVEAT
+        )
+    check(out.paths.ys.sharding.device_set == {device}, (default, out.paths.ys.sharding))
+    check(out.mean.sharding.device_set == {device}, (default, out.mean.sharding))
+    assert_equal_to_rounding(out.paths.ys, expected)
+    checks += 1
+everywhere = dl.solve_ensemble(
+    elementwise_terms, diffrax.Heun(), 0.0, T1, DT, y0, 1.0, keys=keys16, saveat=SAVEAT
+)
+check(everywhere.paths.ys.sharding.device_set == set(jax.devices()), everywhere.paths.ys.sharding)
+stage("default device")
+
 # 9. The paths are solved where they live: the compiled program holds each device's
 # block of paths (16 / 8 = 2; shape (1 device, 2 paths, 3)) and never the whole batch,
 # and gathers nothing.
