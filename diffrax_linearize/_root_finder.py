@@ -118,6 +118,14 @@ def _update(solver, y, fx, jac, linear_state, state: _ChordState):
         )
     diff = sol.value
     new_y = jtu.tree_map(lambda a, b: a - b, y, diff)
+    # An update that overflows (or a failed solve) ends the iteration as diverged (its
+    # size is not finite); it returns the last finite iterate, not the infinite one. A
+    # Diffrax implicit solver takes the returned value as its step's end, and an infinite
+    # end makes `diffrax.PIDController`'s error scale infinite (it replaces a NaN end, not
+    # an infinite one), its scaled error inf / inf = NaN and the next step size NaN: every
+    # later step is then rejected, until `max_steps`.
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jtu.tree_leaves(new_y)]))
+    new_y = jtu.tree_map(lambda a, b: jnp.where(finite, a, b), new_y, y)
     scale = _scale(solver, new_y)
     with jax.numpy_dtype_promotion("standard"):
         diffsize = solver.norm(jtu.tree_map(lambda d, s: d / s, diff, scale))

@@ -42,6 +42,7 @@ from .._linear_solver import (
 from .._materialise import solver_operator
 from .._root_finder import check_real_or_complex, VeryChord
 from .corrector import corrector, without_derivatives
+from .failure import rejectable
 from .rosenbrock import _affine, _check_ode, _flat_increment
 
 
@@ -811,4 +812,5 @@ class BDF(AbstractImplicitSolver, AbstractAdaptiveSolver):
             + (jnp.arange(1, _MAX_ORDER + 1, dtype=jnp.int32) == q).astype(jnp.int32),
         )
         dense_info = dict(y0=y0, D=D_new, order=q)
-        return unravel(y1), unravel(error), dense_info, new_state, result
+        y1, error = rejectable(result, y0, unravel(y1), unravel(error))
+        return y1, error, dense_info, new_state, result

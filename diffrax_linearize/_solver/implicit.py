@@ -22,7 +22,6 @@ from diffrax import (
     AbstractImplicitSolver,
     AbstractItoSolver,
     AbstractStratonovichSolver,
-    is_okay,
     LocalLinearInterpolation,
     RESULTS,
 )
@@ -32,6 +31,7 @@ from .._linear_solver import StructuredLinearSolver
 from .._materialise import solver_operator
 from .._root_finder import VeryChord
 from .._term import real_noise_on_complex_state
+from .failure import rejectable
 from .milstein import _error_estimate, _milstein_parts, _StepParts, _Terms, _Y
 from .milstein_general import _general_milstein_parts
 
@@ -181,7 +181,7 @@ class _DriftImplicit:
         # A step whose root find failed is rejected by an adaptive controller (which then
         # shrinks the step), as for Diffrax's implicit solvers; under a constant step size
         # the failure is reported as before.
-        y_error = jtu.tree_map(lambda e: jnp.where(is_okay(result), e, jnp.inf), y_error)
+        y1, y_error = rejectable(result, y0, y1, y_error)
         return y1, y_error, dict(y0=y0, y1=y1), solver_state, result
 
 

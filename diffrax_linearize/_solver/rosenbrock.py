@@ -21,6 +21,7 @@ from diffrax import AbstractAdaptiveSolver, AbstractLocalInterpolation, RESULTS
 
 from .._linear_solver import jvp_product, matrix_free, StructuredLinearSolver
 from .._materialise import solver_operator
+from .failure import rejectable
 
 
 if TYPE_CHECKING:
@@ -460,8 +461,7 @@ class AbstractRodas(AbstractAdaptiveSolver):
         flat1, error, _, ks, result = _stages(tab, g, solve, t0, h, flat0, dtype)
         k = jnp.stack(ks)
         q = jnp.asarray(tab.H, dtype) @ k
-        y1 = unravel(flat1)
-        y_error = unravel(error)
+        y1, y_error = rejectable(result, y0, unravel(flat1), unravel(error))
         qs = jax.vmap(unravel)(q)
         dense_info = dict(y0=y0, y1=y1, q=qs)
         return y1, y_error, dense_info, None, result
@@ -795,7 +795,7 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
 
         solve = _stage_solver(self, W, factorisation, g, t0, flat0, tab.gamma, exact=False)
         flat1, error, g0, _, result = _stages(tab, g, solve, t0, h, flat0, dtype)
-        y1 = unravel(flat1)
+        y1, y_error = rejectable(result, y0, unravel(flat1), unravel(error))
         g1 = g(t0 + h, flat1)
         k = jtu.tree_map(lambda a, b: jnp.stack([a, b]), unravel(g0), unravel(g1))
         dense_info = dict(y0=y0, y1=y1, k=k)
@@ -809,7 +809,7 @@ class AbstractRosenbrockW(AbstractAdaptiveSolver):
             num_jacobians=st.num_jacobians + refresh.astype(jnp.int32),
             num_factorisations=st.num_factorisations + refactor.astype(jnp.int32),
         )
-        return y1, unravel(error), dense_info, new_state, result
+        return y1, y_error, dense_info, new_state, result
 
 
 class ROS34PW2(AbstractRosenbrockW):
