@@ -57,11 +57,13 @@ def _check(solver, name: str):
 
 def _implicit_drift(solver, terms, t0, t1, y0, args, explicit: _Y):
     r"""Given the explicit step `explicit` (drift at `t0`), solve
-    $z = \text{explicit} + \theta \Delta t (f(t_1, z) - f(t_0, y_0))$ for `z`."""
+    $z = \text{explicit} + \theta \Delta t (f(t_1, z) - f(t_0, y_0))$ for `z`. Returns `z`,
+    the result, and, with `VeryChord`, the operator it linearised and its factorisation
+    (`None` otherwise), for the error filter."""
     drift, _ = terms.terms
     theta = solver.theta
     if theta == 0:
-        return explicit, RESULTS.successful
+        return explicit, RESULTS.successful, None
     f0 = drift.vf_prod(t0, y0, args, drift.contr(t0, t1))
     with jax.numpy_dtype_promotion("standard"):
         rhs = jtu.tree_map(lambda e, f: e - theta * f, explicit, f0)
@@ -79,7 +81,10 @@ def _implicit_drift(solver, terms, t0, t1, y0, args, explicit: _Y):
         throw=False,
         max_steps=solver.root_find_max_steps,
     )
-    return sol.value, RESULTS.promote(sol.result)
+    # `VeryChord` keeps its operator, `I - theta dt df/dy` at the predictor, and its
+    # factorisation in its state: the filter's operator, but for where it is taken.
+    factored = sol.state.linear_state if isinstance(solver.root_finder, VeryChord) else None
+    return sol.value, RESULTS.promote(sol.result), factored
 
 
 def _trapezoidal_drift_error(terms, t0, t1, y0, y1, args, parts: _StepParts) -> _Y:
@@ -117,27 +122,36 @@ def _trapezoidal_drift_error(terms, t0, t1, y0, y1, args, parts: _StepParts) -> 
         return jtu.tree_map(leaf, y1, c0, c1)
 
 
-def _filter_stiff(solver, terms, t0, t1, y1, args, y_error: _Y) -> _Y:
-    r"""$(I - \theta \Delta t\, \partial_y f(t_1, y_1))^{-1} E$: the error estimate with its
-    stiff components damped as the implicit step damps them. Unfiltered, an estimate built
-    from $f(t_1, y_1) - f(t_0, y_0)$ grows like $|\Delta t \lambda|$ along a stiff
-    eigenvalue $\lambda$ of the drift, where the step's true error is damped, and the
-    controller shrinks the step to the explicit stability limit (Shampine's filter; Hairer &
-    Wanner, Solving ODEs II, section IV.8). The operator is the root finder's, with the
-    drift Jacobian's structure kept; under a constant step size nothing reads it."""
-    drift, _ = terms.terms
-    dt = drift.contr(t0, t1)
-
-    def relation(z, args):
-        fz = drift.vf_prod(t1, z, args, dt)
-        with jax.numpy_dtype_promotion("standard"):
-            return jtu.tree_map(lambda z, f: z - solver.theta * f, z, fz)
-
-    operator = solver_operator(relation, y1, args)
+def _filter_stiff(solver, terms, t0, t1, y1, args, y_error: _Y, factored) -> _Y:
+    r"""$(I - \theta \Delta t\, \partial_y f)^{-1} E$: the error estimate with its stiff
+    components damped as the implicit step damps them. Unfiltered, an estimate built from
+    $f(t_1, y_1) - f(t_0, y_0)$ grows like $|\Delta t \lambda|$ along a stiff eigenvalue
+    $\lambda$ of the drift, where the step's true error is damped, and the controller
+    shrinks the step to the explicit stability limit (Shampine's filter; Hairer & Wanner,
+    Solving ODEs II, section IV.8). Any $\partial_y f$ near the step's serves, as in
+    RADAU5, which filters with the factorisation of its step: `factored`, `VeryChord`'s
+    operator at the predictor and its factorisation, is used as it is (no Jacobian and no
+    factorisation more); with another root finder (`None`) the operator is taken at
+    $(t_1, y_1)$, with the drift Jacobian's structure kept. Under a constant step size
+    nothing reads it."""
     # A failed root find's infinite estimate stays infinite (the step is rejected).
     finite = jtu.tree_map(lambda e: jnp.where(jnp.isfinite(e), e, 0), y_error)
-    filtered = lx.linear_solve(operator, finite, StructuredLinearSolver(), throw=False).value
-    return jtu.tree_map(lambda f, e: jnp.where(jnp.isfinite(e), f, e), filtered, y_error)
+    if factored is None:
+        drift, _ = terms.terms
+        dt = drift.contr(t0, t1)
+
+        def relation(z, args):
+            fz = drift.vf_prod(t1, z, args, dt)
+            with jax.numpy_dtype_promotion("standard"):
+                return jtu.tree_map(lambda z, f: z - solver.theta * f, z, fz)
+
+        operator = solver_operator(relation, y1, args)
+        sol = lx.linear_solve(operator, finite, StructuredLinearSolver(), throw=False)
+    else:
+        operator, state = factored
+        linear_solver = solver.root_finder.linear_solver
+        sol = lx.linear_solve(operator, finite, linear_solver, state=state, throw=False)
+    return jtu.tree_map(lambda f, e: jnp.where(jnp.isfinite(e), f, e), sol.value, y_error)
 
 
 class _DriftImplicit:
@@ -168,7 +182,7 @@ class _DriftImplicit:
         terms, solver_state = carried_terms(terms, t0, t1, solver_state)
         terms = real_noise_on_complex_state(terms, t0, y0)
         explicit, parts = self._explicit(terms, t0, t1, y0, args)
-        y1, result = _implicit_drift(self, terms, t0, t1, y0, args, explicit)
+        y1, result, factored = _implicit_drift(self, terms, t0, t1, y0, args, explicit)
         # The weight 1/2 - theta: the difference from the trapezoidal rule in the drift.
         y_error = _error_estimate(
             terms, t1, y1, args, parts, drift_weight=0.5 - self.theta, milstein=self._milstein
@@ -177,7 +191,7 @@ class _DriftImplicit:
             # And the trapezoidal rule's own drift error: at theta = 1/2 the whole drift part.
             third = _trapezoidal_drift_error(terms, t0, t1, y0, y1, args, parts)
             y_error = jtu.tree_map(lambda e, d: e + d, y_error, third)
-            y_error = _filter_stiff(self, terms, t0, t1, y1, args, y_error)
+            y_error = _filter_stiff(self, terms, t0, t1, y1, args, y_error, factored)
         # A step whose root find failed is rejected by an adaptive controller (which then
         # shrinks the step), as for Diffrax's implicit solvers; under a constant step size
         # the failure is reported as before.
