@@ -124,7 +124,9 @@ def _update(solver, y, fx, jac, linear_state, state: _ChordState):
     # end makes `diffrax.PIDController`'s error scale infinite (it replaces a NaN end, not
     # an infinite one), its scaled error inf / inf = NaN and the next step size NaN: every
     # later step is then rejected, until `max_steps`.
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jtu.tree_leaves(new_y)]))
+    finite = jnp.array(True)
+    for v in jtu.tree_leaves(new_y):
+        finite = finite & jnp.all(jnp.isfinite(v))
     new_y = jtu.tree_map(lambda a, b: jnp.where(finite, a, b), new_y, y)
     scale = _scale(solver, new_y)
     with jax.numpy_dtype_promotion("standard"):
