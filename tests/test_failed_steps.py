@@ -92,29 +92,23 @@ def test_diffrax_solver_with_our_root_finder_and_pid_controller(root_finder):
     # The drop-in use, `diffrax.Kvaerno5(root_finder=dl.VeryChord())` with Diffrax's own
     # controller: on Van der Pol (mu = 1e3) its root find once diverged to an infinite
     # iterate, Kvaerno5 took it as the step's end, and the solve stalled after 23 steps.
-    sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(_vdp),
-        diffrax.Kvaerno5(root_finder=root_finder()),
-        0.0,
-        3000.0,
-        None,
-        jnp.array([2.0, 0.0]),
-        stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6),
-        max_steps=4000,
-        throw=False,
-    )
+    def solve(solver, throw):
+        return diffrax.diffeqsolve(
+            diffrax.ODETerm(_vdp),
+            solver,
+            0.0,
+            3000.0,
+            None,
+            jnp.array([2.0, 0.0]),
+            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6),
+            max_steps=4000,
+            throw=throw,
+        )
+
+    sol = solve(diffrax.Kvaerno5(root_finder=root_finder()), throw=False)
     assert sol.result == diffrax.RESULTS.successful, (sol.result, sol.stats)
     # The same solve by Diffrax's own default, which takes many more steps.
-    ref = diffrax.diffeqsolve(
-        diffrax.ODETerm(_vdp),
-        diffrax.Kvaerno5(),
-        0.0,
-        3000.0,
-        None,
-        jnp.array([2.0, 0.0]),
-        stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6),
-        max_steps=4000,
-    )
+    ref = solve(diffrax.Kvaerno5(), throw=True)
     np.testing.assert_allclose(sol.ys[-1], ref.ys[-1], rtol=2e-2)
 
 
