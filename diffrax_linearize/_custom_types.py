@@ -1,5 +1,7 @@
 """Type aliases and dtype helpers shared between modules."""
 
+import functools
+from collections.abc import Iterable
 from typing import Any, Literal, TypeAlias
 
 import jax
@@ -31,3 +33,11 @@ def mixed_dtypes(xs: Any) -> str | None:
     than one; else `None`. (A lineax operator takes one input dtype.)"""
     names = sorted({str(jnp.result_type(x)) for x in xs})
     return ", ".join(names) if len(names) > 1 else None
+
+
+def all_finite(xs: Iterable[Any]) -> Any:
+    """Whether every entry of the arrays `xs` is finite, as one boolean scalar (true for
+    none)."""
+    return functools.reduce(
+        jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in xs], jnp.bool_(True)
+    )

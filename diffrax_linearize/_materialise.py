@@ -14,7 +14,7 @@ import numpy as np
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
 from ._colouring import colour_columns, pattern_of
 from ._compat import bind_eqn, dce_jaxpr, is_literal, prim
-from ._custom_types import common_dtype, MaterialiseMode, mixed_dtypes
+from ._custom_types import all_finite, common_dtype, MaterialiseMode, mixed_dtypes
 from ._interpreter import (
     call_jaxpr,
     Context,
@@ -655,11 +655,7 @@ def _dense_jacobian(spec: _Spec, consts, diff, rest):
         return [*jax.lax.optimization_barrier(stored), *f_jvp(*ones)]
 
     checked = nonfinite_check()
-    finite = functools.reduce(
-        jnp.logical_and,
-        [jnp.all(jnp.isfinite(c)) for c in checked if jnp.issubdtype(c.dtype, jnp.inexact)],
-        True,
-    )
+    finite = all_finite(c for c in checked if jnp.issubdtype(c.dtype, jnp.inexact))
 
     @jax.jit  # a call named in the program, so that tests can tell it from the rest
     def nonfinite_fallback():
@@ -1166,7 +1162,7 @@ def _dense_operator_as_jacfwd(spec: _Spec, f_jvp, diff, op):
     inexact = [x for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     if not inexact:
         return op
-    finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in inexact])
+    finite = all_finite(inexact)
 
     @jax.jit  # named as `materialise`'s, so that tests can tell it from the rest
     def nonfinite_fallback():
@@ -1195,7 +1191,7 @@ def _structured_operator(build, blocks, forward):
     leaves = [x for x in jtu.tree_leaves(dynamic) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not leaves:
         return op
-    finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in leaves])
+    finite = all_finite(leaves)
     statics = []
 
     def rebuilt():

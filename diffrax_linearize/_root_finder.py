@@ -15,7 +15,7 @@ import optimistix as optx
 from jaxtyping import Array, Bool, PyTree, Scalar
 
 from ._compat import use_stepsize_tol
-from ._custom_types import mixed_dtypes
+from ._custom_types import all_finite, mixed_dtypes
 from ._linear_solver import resolution, StructuredLinearSolver
 from ._materialise import solver_operator
 
@@ -124,9 +124,7 @@ def _update(solver, y, fx, jac, linear_state, state: _ChordState):
     # end makes `diffrax.PIDController`'s error scale infinite (it replaces a NaN end, not
     # an infinite one), its scaled error inf / inf = NaN and the next step size NaN: every
     # later step is then rejected, until `max_steps`.
-    finite = jnp.array(True)
-    for v in jtu.tree_leaves(new_y):
-        finite = finite & jnp.all(jnp.isfinite(v))
+    finite = all_finite(jtu.tree_leaves(new_y))
     new_y = jtu.tree_map(lambda a, b: jnp.where(finite, a, b), new_y, y)
     scale = _scale(solver, new_y)
     with jax.numpy_dtype_promotion("standard"):
