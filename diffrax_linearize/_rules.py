@@ -590,7 +590,10 @@ def _dynamic_slice_rule(ctx, eqn, vals):
                 if a is not None:
                     idx[a] = starts[k]
                     sz[a] = sizes[k]
-            return lax.dynamic_slice(v, idx, sz)
+            # The primitive's own semantics: a start out of range is clamped into it.
+            # `lax.dynamic_slice` would first wrap a negative start around the end (as
+            # NumPy indexing does), which `jnp` indexing has already done where it applies.
+            return lax.dynamic_slice(v, idx, sz, allow_negative_indices=False)
 
         return fn
 
@@ -933,7 +936,10 @@ def _write_dense(ctx, eqn, vals):
         op, up = dense(operand), dense(updates)
         if str(eqn.primitive) == "dynamic_update_slice":
             starts = list(vals[2:])
-            res = lax.dynamic_update_slice(op, up, starts + [jnp.zeros_like(starts[0])])
+            # Clamped as the primitive clamps (see `_dynamic_slice_rule`), not wrapped.
+            res = lax.dynamic_update_slice(
+                op, up, starts + [jnp.zeros_like(starts[0])], allow_negative_indices=False
+            )
         else:
             dn = eqn.params["dimension_numbers"]
             params = dict(eqn.params)

@@ -186,6 +186,33 @@ def _(dt):
     return lambda x, i: lax.dynamic_slice(x, (i,), (3,)), (_input((6,), dt), jnp.int32(2))
 
 
+@case("index_out_of_range_negative")
+def _(dt):
+    # `x[-4]` of three entries: `jnp` wraps -4 to -1 and `dynamic_slice` clamps that to 0
+    # (XLA's semantics), so the value is `x[0]`. `lax.dynamic_slice` would wrap the -1 again,
+    # to `x[2]`: reverse mode's rule took that path.
+    return lambda x: x[-4] + 2 * x[1, -5], (_input((3, 3), dt),)
+
+
+@case("dynamic_slice_traced_start_out_of_range", argnums=0)
+def _(dt):
+    # The primitive clamps a traced start into range: -3 gives rows 0 and 1.
+    A = _const((4, 3), 4, dt)
+    fn = lambda x, i: lax.dynamic_slice(A @ x, (i,), (2,), allow_negative_indices=False)
+    return fn, (_input((3,), dt), jnp.int32(-3))
+
+
+@case("dynamic_update_slice_traced_start_out_of_range", argnums=0)
+def _(dt):
+    A = _const((2, 3), 5, dt)
+
+    def fn(x, i):
+        base = jnp.zeros(5, dt) + jnp.sum(x)
+        return lax.dynamic_update_slice(base, A @ x, (i,), allow_negative_indices=False)
+
+    return fn, (_input((3,), dt), jnp.int32(-1))
+
+
 @case("dynamic_update_slice_operand")
 def _(dt):
     upd = _const((2,), 2, dt)
