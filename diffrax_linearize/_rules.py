@@ -1023,7 +1023,7 @@ def _scatter_add_rule(ctx, eqn, vals):
     leaves = sorted({p for x in lins for p in x.blocks})
     blocks = {}
     for p in leaves:
-        parts, sources = [], []
+        parts = []
         base = 0
         rows = np.full((1 + C, n_out), -1, np.int64)
         if isinstance(operand, Lin) and p in operand.blocks:
@@ -1033,7 +1033,10 @@ def _scatter_add_rule(ctx, eqn, vals):
         if isinstance(updates, Lin) and p in updates.blocks and C > 0:
             parts.append(updates.blocks[p])
             rows[1 + pos, targets] = base + live
-        del sources
+        if not parts:
+            # Only the updates depend on leaf p, and every one of them is dropped (out of
+            # bounds under `mode="drop"`, the default of `.at[]` updates): a zero block.
+            continue
         keep = (rows >= 0).any(axis=1)
         rows = rows[keep]
         parts = common_form(parts, force_ell=True)

@@ -397,6 +397,13 @@ def _(dt):
     return lambda x: jnp.zeros((4, 2), dt).at[idx].add(x[:3]), (_input((3, 2), dt),)
 
 
+@case("scatter_add_every_update_dropped", argnums=(0, 1))
+def _(dt):
+    # Out of bounds: `.at[]` updates drop them by default, so `y` has no effect on the
+    # output (a zero block), and the operand passes through.
+    return lambda x, y: x.at[4].add(2 * y), (_input((3, 4, 5), dt), _input((4, 5), dt, 1))
+
+
 @case("conv_constant_kernel")
 def _(dt):
     k = _const((3, 2, 3, 3), 18, dt)
