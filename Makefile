@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-sweep test-latest test-diffrax test-lineax test-optimistix bench docs chromium check-wheel lint clean
+.PHONY: demo test test-slow test-sweep test-latest test-diffrax test-lineax test-optimistix test-jax-indexing bench docs chromium check-wheel lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,14 @@ test-lineax: $(STAMP)
 # finders (tests/optimistix_suite.py; OPTIMISTIX_GIT=... or OPTIMISTIX_TESTS=...).
 test-optimistix: $(STAMP)
 	$(PY) tests/optimistix_suite.py -q -n $(TEST_WORKERS) -rfEX
+
+# JAX 0.10.2's indexing catalogue (tests/lax_numpy_indexing_test.py: its index
+# expressions, indexing strategies and modes, and .at[] updates) through materialise and
+# materialise_operator against jax.jacfwd and jax.jacrev (tests/jax_indexing_suite.py;
+# JAX_GIT=/path/to/jax-clone or JAX_TESTS=/path/to/tests; ALL=1 for the whole product).
+# Record in docs/devdocs/structure_engine.md.
+test-jax-indexing: $(STAMP)
+	$(PY) tests/jax_indexing_suite.py -q -n $(TEST_WORKERS) -rfE $(if $(ALL),--all)
 
 # The site, then the checks on it (tests/test_site.py): every public name described, no
 # network requests, and the maths typeset offline in a headless Chromium (screenshot in
