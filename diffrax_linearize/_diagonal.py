@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._custom_types import common_dtype
-from ._materialise import structured_blocks
+from ._materialise import structured_blocks, traced_as_jit
 from ._sparsity import diagonal, to_dense
 
 
@@ -36,7 +36,8 @@ def jacobian_diagonal(fn: Callable[[PyTree], PyTree], x: PyTree) -> PyTree:
     A pytree like `x`: entry `i` of the flattened result is $\\partial f_i / \\partial x_i$.
     """
     api = "diffrax_linearize.jacobian_diagonal"
-    out_shape = jax.eval_shape(fn, x)
+    with traced_as_jit(api):
+        out_shape = jax.eval_shape(fn, x)
     in_leaves, in_tree = jtu.tree_flatten(x)
     out_leaves = jtu.tree_leaves(out_shape)
     n_in = sum(math.prod(jnp.shape(a)) for a in in_leaves)

@@ -1,3 +1,4 @@
+import contextlib
 import functools
 import hashlib
 import math
@@ -840,13 +841,32 @@ def _trace(fn, args, argnums, holomorphic, api):
         out_tree_box.append(tree)
         return [jnp.asarray(x) for x in leaves]
 
-    closed = jax.make_jaxpr(flat_fn)(*diff_leaves, *other_leaves)
+    with traced_as_jit(api):
+        closed = jax.make_jaxpr(flat_fn)(*diff_leaves, *other_leaves)
     out_tree = out_tree_box[0]
     if holomorphic:
         for v in closed.jaxpr.outvars:
             if not jnp.issubdtype(v.aval.dtype, jnp.complexfloating):
                 raise TypeError(f"`{api}` with `holomorphic=True` requires complex outputs.")
     return closed, diff_leaves, other_leaves, diff_tree, out_tree
+
+
+@contextlib.contextmanager
+def traced_as_jit(api: str):
+    """Where `fn` is traced: JAX's error for a value read as a Python number gets a note
+    saying why that happens here too, and what to do instead."""
+    try:
+        yield
+    except jax.errors.ConcretizationTypeError as e:
+        e.add_note(
+            f"`{api}` traces `fn` as `jax.jit` does, also when called outside `jax.jit`: no "
+            "value computed inside `fn` (from its inputs or from the arrays it closes over) "
+            "can be read as a Python number, where `jax.jacfwd` called outside `jax.jit` "
+            "allows it. Give such a value to `fn` as a Python number instead: for "
+            "`jax.ops.segment_sum`, `segment_max` and their kin, pass `num_segments=`; "
+            "compute a size or an index with NumPy, outside `fn`."
+        )
+        raise
 
 
 _MODES = get_args(MaterialiseMode)

@@ -1045,6 +1045,28 @@ def test_complex_input_error_names_existing_options():
     assert "holomorphic" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "api", [dl.materialise, dl.materialise_operator, dl.jacobian_diagonal, dl.structure_report]
+)
+def test_concrete_value_error_names_the_fix(api):
+    # `segment_max` without `num_segments` reads `max(ids) + 1` as a Python number: fine
+    # for `jax.jacfwd` outside `jax.jit`, not inside it, nor inside ours, which traces as
+    # `jax.jit` does. JAX's error says where; the note says why here, and the fix.
+    ids = np.array([0, 1, 1, 2], np.int32)
+    fn = lambda x: jax.ops.segment_max(x, ids)  # noqa: E731
+    x = jnp.linspace(0.0, 1.0, 4)
+    assert jax.jacfwd(fn)(x).shape == (3, 4)
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        api(fn, x)
+    note = "".join(getattr(info.value, "__notes__", []))
+    assert f"`diffrax_linearize.{api.__name__}` traces `fn` as `jax.jit` does" in note
+    assert "pass `num_segments=`" in note
+    expected = jax.jacfwd(lambda x: jax.ops.segment_max(x, ids, num_segments=3))(x)
+    np.testing.assert_array_equal(
+        dl.materialise(lambda x: jax.ops.segment_max(x, ids, num_segments=3), x), expected
+    )
+
+
 # ---- compilation ------------------------------------------------------------------------
 
 
