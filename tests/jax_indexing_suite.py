@@ -19,7 +19,14 @@ expression, as JAX's own tests use them:
   (`testStaticIndexingGrads` over its modes, `testAdvancedIndexingGrads` with and without
   repeated indices) and, for `min`, `max`, `divide` and `power`, on the cases whose values
   JAX tests (`testStaticIndexing`, `testAdvancedIndexing`, `testMixedAdvancedIndexing`),
-  with respect to both `x` and `y`.
+  with respect to both `x` and `y`;
+- `segment`: `jax.ops.segment_sum`, `segment_prod`, `segment_min` and `segment_max` with
+  the parameters of JAX's `testSegmentReduce` (restated: they are written in its
+  decorator), segment ids drawn as it draws them (integers in [-2, 3), so some are out of
+  range), known and traced. Without `num_segments` the number of segments is read from
+  the ids as a Python number, which `jax.jit` refuses, and so do ours (they trace as
+  `jax.jit` does): there the check is that ours raise JAX's error with the note that says
+  to pass `num_segments=`.
 
 Each case checks, in one dtype (float64 and float32 by turns; `--all` runs both):
 `materialise` eager with its automatic mode against `jax.jacfwd`; under `jax.jit`,
@@ -191,8 +198,20 @@ def _update_cases():
                 yield f"update-{name}-u{k}-{op.name}-values", case
 
 
+def _segment_cases():
+    # JAX's testSegmentReduce: `reducer`, `shape`, `bucket_size`, `num_segments`.
+    reducers = ("segment_sum", "segment_prod", "segment_min", "segment_max")
+    shapes = [(8,), (7, 4), (6, 4, 2)]
+    for reducer, shape, bucket, n in itertools.product(reducers, shapes, [None, 2], [None, 1, 3]):
+        spec = J.IndexSpec(shape=shape, indexer=None)
+        for traced in (False, True) if n is not None else (False,):
+            name = f"segment-{reducer}-{'x'.join(map(str, shape))}-b{bucket}-n{n}"
+            name += "-traced" if traced else ""
+            yield name, ("segment", spec, (reducer, bucket, n), traced)
+
+
 def _params():
-    cases = [*_take_cases(), *_traced_cases()]
+    cases = [*_take_cases(), *_traced_cases(), *_segment_cases()]
     updates = list(_update_cases())
     params = []
     for i, (name, case) in enumerate(cases + updates):
@@ -204,7 +223,9 @@ def _params():
 
 
 def _program(case, dtype):
-    """`(fn, args, argnums, int_args)` of one case: `fn(*args, *int_args)`."""
+    """`(fn, args, argnums, int_args)` of one case: `fn(*args, *int_args)`. A case is
+    `(kind, IndexSpec, extra, mode)`: `mode` is JAX's indexing mode, or for `segment`
+    whether the ids are traced."""
     kind, spec, extra, mode = case
     rng = np.random.RandomState(0)
     positive = kind == "update" and extra[0] in (U.DIV, U.POW)
@@ -221,6 +242,17 @@ def _program(case, dtype):
         return (lambda x: take(x, spec.indexer, strategy=extra, mode=mode)), (x,), 0, ()
     if kind == "get":
         return (lambda x: x.at[spec.indexer].get(mode=mode, fill_value=7)), (x,), 0, ()
+    if kind == "segment":
+        reducer, bucket, n = extra
+        ids = rng.randint(-2, 3, spec.shape[:1]).astype(np.int32)
+        reduce = getattr(J.ops, reducer)
+        if mode:  # traced ids
+
+            def fn(x, ids):
+                return reduce(x, ids, num_segments=n, bucket_size=bucket)
+
+            return fn, (x,), 0, (jnp.asarray(ids),)
+        return (lambda x: reduce(x, ids, num_segments=n, bucket_size=bucket)), (x,), 0, ()
     if kind == "traced":
         parts = spec.indexer if isinstance(spec.indexer, tuple) else (spec.indexer,)
         ints = tuple(jnp.asarray(p, jnp.int32) for p in parts)
@@ -241,6 +273,12 @@ def test_indexing(case, dtype_name):
     if any(0 in a.shape for a in args):
         pytest.skip("an empty input: no Jacobian entries to compare")
     full = lambda *a: fn(*a, *ints)  # noqa: E731
+    if case[0] == "segment" and case[2][2] is None:
+        # The number of segments read from the ids: refused under `jax.jit`, and by ours.
+        with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+            dl.materialise(full, *args, argnums=argnums)
+        assert "pass `num_segments=`" in "".join(getattr(info.value, "__notes__", []))
+        return
     try:
         full(*args)
     except (TypeError, IndexError) as e:
