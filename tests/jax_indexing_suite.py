@@ -35,10 +35,11 @@ Each case checks, in one dtype (float64 and float32 by turns; `--all` runs both)
 (`helpers.assert_jacobian_equal`: bit for bit for the zero-one Jacobians of pure data
 movement). Where JAX's two modes disagree with each other (an out-of-bounds index under
 `mode="promise_in_bounds"`, which JAX leaves undefined: the gather clamps, its transpose
-drops), the automatic mode is compared with the mode it took.
+drops), each of ours (both modes, the automatic one, the operators) must be one of JAX's
+two answers.
 
-The default run takes a deterministic sample of the product (every case of `take` and
-`traced`, a seventh of `update`); `--all` takes everything. JAX's tests are not in the
+The default run takes a deterministic sample of the product (every case of `take`,
+`traced` and `segment`, a seventh of `update`); `--all` takes everything. JAX's tests are not in the
 jax wheel, and come from JAX's git repository, the first of `JAX_TESTS=/path/to/tests`,
 `JAX_GIT=/path/to/jax` (a clone or bare git directory with the tag `jax-v0.10.2`), or a
 shallow clone from GitHub into `.jax-tests/`; the file is checked against its git blob
@@ -302,25 +303,28 @@ def test_indexing(case, dtype_name):
     # `ints` traced too: for `traced` cases that is the point, elsewhere there are none.
     jit_forward, jit_reverse = both_modes(args, ints)
     auto = dl.materialise(full, *args, argnums=argnums)
+    # Per argument: `materialise_operator`'s matrix, and JAX's two blocks for it.
     operators = []
     for k in argnums if isinstance(argnums, tuple) else (argnums,):
+        ref = (forward[k], backward[k]) if isinstance(argnums, tuple) else (forward, backward)
         matrix = dl.materialise_operator(full, *args, argnums=k).as_matrix()
-        operators.append((k, matrix))
+        operators.append((f"materialise_operator, argument {k}", matrix.reshape(ref[0].shape), ref))
 
     if not _equal(forward, backward):
         # JAX's own two modes disagree: an out-of-bounds index under promise_in_bounds,
         # which JAX leaves undefined (the gather clamps, its transpose drops). Each of
         # ours must be one of JAX's two answers.
-        for what, ours in [("forward", jit_forward), ("reverse", jit_reverse), ("auto", auto)]:
-            assert _equal(ours, forward) or _equal(ours, backward), what
+        ours = [("forward", jit_forward, (forward, backward))]
+        ours += [("reverse", jit_reverse, (forward, backward))]
+        ours += [("auto", auto, (forward, backward)), *operators]
+        for what, value, (f, b) in ours:
+            assert _equal(value, f) or _equal(value, b), what
         return
     assert_jacobian_equal(jit_forward, forward, what="jit, forward mode vs jax.jacfwd")
     assert_jacobian_equal(jit_reverse, backward, what="jit, reverse mode vs jax.jacrev")
     assert_jacobian_equal(auto, forward, what="eager, automatic mode vs jax.jacfwd")
-    for k, matrix in operators:
-        expected = forward[k] if isinstance(argnums, tuple) else forward
-        what = f"materialise_operator, argument {k}"
-        assert_jacobian_equal(matrix.reshape(expected.shape), expected, what=what)
+    for what, matrix, (expected, _) in operators:
+        assert_jacobian_equal(matrix, expected, what=what)
 
 
 def _equal(a, b) -> bool:
