@@ -1091,6 +1091,13 @@ def _in_dtype(c, dtype):
     return c.astype(dtype)
 
 
+def _divide(v, c):
+    """`v / c`; where both are NumPy arrays (known at trace time), without NumPy's warnings
+    for a division by zero: its infinities and NaNs are IEEE's, as XLA's are."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return v / c
+
+
 @register_rule(prim("div"), termwise=True, nan_faithful=True)
 def _div_rule(ctx, eqn, vals):
     if _lin_positions(vals) != [0]:
@@ -1098,10 +1105,7 @@ def _div_rule(ctx, eqn, vals):
     aval = _out_aval(eqn)
     x = _to_shape(vals[0], aval.shape)
     c = vals[1]
-    blocks = {
-        p: _cast(_scale(b, c, combine=lambda v, cc: v / cc), aval.dtype)
-        for p, b in x.blocks.items()
-    }
+    blocks = {p: _cast(_scale(b, c, combine=_divide), aval.dtype) for p, b in x.blocks.items()}
     return [Lin(blocks, aval.shape, aval.dtype)]
 
 

@@ -2,6 +2,8 @@
 `jax.jacfwd` cannot run): one case per structure rule, pytrees, transformations, the
 structure of the traced program, caching, and errors."""
 
+import warnings
+
 import diffrax_linearize as dl
 import jax
 import jax.lax as lax
@@ -12,7 +14,7 @@ import lineax as lx
 import numpy as np
 import pytest
 from diffrax_linearize import _materialise
-from helpers import assert_tree_allclose, count_matmuls
+from helpers import assert_jacobian_equal, assert_tree_allclose, count_matmuls
 
 
 _TOL = {jnp.float32: dict(rtol=2e-4, atol=2e-5), jnp.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -1483,6 +1485,31 @@ def test_nan_pattern_across_blocks_as_jacfwd(name):
             assert jax.tree.structure(got) == jax.tree.structure(expected)
             for g, e in zip(jax.tree.leaves(got), leaves):
                 np.testing.assert_array_equal(g, e)
+
+
+def test_division_by_known_zero_warns_not():
+    """A division by a count known to be zero when the Jacobian is traced (an all-masked
+    row of a `mean` or `var` with `where=`), and by a known zero of the program: the
+    Jacobian `jax.jacfwd` gives, NaNs and infinities included, and no NumPy
+    `RuntimeWarning` on the way (those divisions are NumPy's, of known values)."""
+    x = jnp.array([[jnp.nan, jnp.nan, jnp.nan], [1.0, 2.0, 4.0]])
+    mask = jnp.array([[False] * 3, [True] * 3])
+    fns = [
+        lambda x: jnp.mean(x, axis=1, where=mask),
+        lambda x: jnp.var(x, axis=1, where=mask),
+        lambda x: jnp.nanmean(x, axis=1),
+        lambda x: x / jnp.array([0.0, 1.0, 0.0]),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for fn in fns:
+            expected = jax.jacfwd(fn)(x)
+            for mode in ("forward", "reverse"):
+                assert_jacobian_equal(dl.materialise(fn, x, mode=mode), expected)
+            matrix = dl.materialise_operator(fn, x).as_matrix()
+            expected = expected.reshape(matrix.shape)
+            finite = np.isfinite(expected)  # the operator need not keep jax.jacfwd's NaNs
+            assert_jacobian_equal(matrix[finite], expected[finite])
 
 
 def test_operator_reverse_mode_nan_falls_back_to_forward():
