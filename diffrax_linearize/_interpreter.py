@@ -401,11 +401,25 @@ def interpret(ctx: Context, jaxpr, consts, invals) -> list:
 
     def apply_eqn(eqn, vals):
         if any(isinstance(x, Lin) for x in vals):
-            return apply_rule(ctx, eqn, vals)
+            return [_without_empty(x) for x in apply_rule(ctx, eqn, vals)]
         outs = evaluate_known(eqn, vals)
         return bind_eqn(eqn, vals) if outs is None else outs
 
+    invals = [_without_empty(x) for x in invals]
     return [settle(x) for x in eval_jaxpr(jaxpr, consts, invals, apply_eqn)]
+
+
+def _without_empty(x):
+    """`x` without its blocks of no entries (an empty value, or with respect to an empty
+    input): they are zero, and absent blocks are zero, so no rule meets an empty axis."""
+    if not isinstance(x, Lin):
+        return x
+    if math.prod(x.shape) == 0:
+        return Lin({}, x.shape, x.dtype) if x.blocks else x
+    empty = [p for p, b in x.blocks.items() if math.prod(_terms(b)[0].in_shape) == 0]
+    if not empty:
+        return x
+    return Lin({p: b for p, b in x.blocks.items() if p not in empty}, x.shape, x.dtype)
 
 
 class LazySum:

@@ -713,8 +713,8 @@ def _jacfwd_cells(spec: _Spec, f_jvp, diff, chunk: int | None = _FALLBACK_CHUNK)
         basis = (rows == jax.lax.broadcasted_iota(jnp.int32, (chunk, n), 1)).astype(dtype)
         outs = jax.vmap(push)(jax.lax.optimization_barrier(basis))
         return [
-            None if d == jax.dtypes.float0 else t.reshape(chunk, -1).T.astype(d)
-            for t, d in zip(outs, dtypes)
+            None if d == jax.dtypes.float0 else t.reshape(chunk, math.prod(a.shape)).T.astype(d)
+            for t, d, a in zip(outs, dtypes, avals)
         ]
 
     def body(k, columns):

@@ -1487,6 +1487,42 @@ def test_nan_pattern_across_blocks_as_jacfwd(name):
                 np.testing.assert_array_equal(g, e)
 
 
+_EMPTY = {
+    # Empty inputs, outputs, and values between (JAX's linalg tests take QR, SVD and the
+    # pseudo-inverse of matrices with no rows or no columns).
+    "empty input": (lambda x: jnp.sum(x) * jnp.ones(2), (0,)),
+    "empty input and output": (jnp.sin, (0, 3)),
+    "empty output": (lambda x: 2 * x[:0], (3,)),
+    "empty reshape": (lambda x: (2 * x.reshape(0, 2, 3)).reshape(-1), (0, 6)),
+    "empty cumsum": (lambda x: jnp.cumsum(x, axis=1), (3, 0)),
+    "sum of an empty slice": (lambda x: x + jnp.sum(x[:0]), (3,)),
+    "product with an empty slice": (lambda x: jnp.ones((3, 0)) @ x[:0] + x, (3,)),
+    "outer with an empty slice": (lambda x: jnp.outer(x, x[:0]).sum() + x, (3,)),
+    "qr with no columns": (lambda x: jnp.linalg.qr(x)[1], (2, 0)),
+    "qr with no rows": (lambda x: jnp.linalg.qr(x)[0], (0, 2)),
+    "svd with no columns": (lambda x: jnp.linalg.svd(x, compute_uv=False), (2, 0)),
+    "pinv with no columns": (jnp.linalg.pinv, (3, 2, 0)),
+    "pinv with no rows": (jnp.linalg.pinv, (3, 0, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(_EMPTY))
+def test_empty_arrays_as_jacfwd(name):
+    """Values with no entries, as inputs, outputs or on the way: `jax.jacfwd`'s (empty or
+    zero) Jacobian in every mode, the operator's matrix and a report, where each of these
+    raised before (a reshape with `-1` of an empty array, a pattern over an empty axis)."""
+    fn, shape = _EMPTY[name]
+    x = jnp.asarray(np.random.RandomState(0).randn(*shape))
+    expected = jax.jacfwd(fn)(x)
+    for mode in ("auto", "forward", "reverse"):
+        assert_jacobian_equal(dl.materialise(fn, x, mode=mode), expected, what=mode)
+        jitted = jax.jit(lambda x: dl.materialise(fn, x, mode=mode))(x)  # noqa: B023
+        assert_jacobian_equal(jitted, expected, what=f"jit, {mode}")
+    matrix = dl.materialise_operator(fn, x).as_matrix()
+    assert_jacobian_equal(matrix, expected.reshape(matrix.shape), what="operator")
+    assert "output leaf | input leaf" in str(dl.structure_report(fn, x))
+
+
 def test_division_by_known_zero_warns_not():
     """A division by a count known to be zero when the Jacobian is traced (an all-masked
     row of a `mean` or `var` with `where=`), and by a known zero of the program: the
