@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-sweep test-latest test-diffrax test-lineax test-optimistix test-jax-indexing bench docs chromium check-wheel lint clean
+.PHONY: demo test test-slow test-sweep test-latest test-diffrax test-lineax test-optimistix test-jax-indexing test-jax-shadow bench docs chromium check-wheel lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,11 @@ test-optimistix: $(STAMP)
 # Record in docs/devdocs/structure_engine.md.
 test-jax-indexing: $(STAMP)
 	$(PY) tests/jax_indexing_suite.py -q -n $(TEST_WORKERS) -rfE $(if $(ALL),--all)
+
+# JAX's own control-flow, custom-derivative, linalg and scipy tests, with `materialise`
+# checked on every function they differentiate (tests/jax_shadow_suite.py).
+test-jax-shadow: $(STAMP)
+	$(PY) tests/jax_shadow_suite.py -q -n $(TEST_WORKERS)
 
 # The site, then the checks on it (tests/test_site.py): every public name described, no
 # network requests, and the maths typeset offline in a headless Chromium (screenshot in

@@ -109,9 +109,11 @@ def assert_jacobian_equal(actual, expected, *, ulps=256, exact=False, what="jaco
         if exact:
             assert np.array_equal(a, e), f"{where}: not bit-for-bit equal, {a} != {e}"
             continue
+        eps = float(jnp.finfo(e.dtype).eps)  # NumPy's `finfo` knows no bfloat16
+        if e.dtype.itemsize < 4:  # float16, bfloat16: compared in float32
+            a, e = a.astype(np.float32), e.astype(np.float32)
         scale = max(1.0, float(np.max(np.abs(e), initial=0.0)))
-        atol = ulps * np.finfo(e.dtype).eps * scale
-        np.testing.assert_allclose(a, e, rtol=0, atol=atol, err_msg=where)
+        np.testing.assert_allclose(a, e, rtol=0, atol=ulps * eps * scale, err_msg=where)
 
 
 # ---- counting matrix-matrix products ----------------------------------------------------

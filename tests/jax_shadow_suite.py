@@ -1,0 +1,323 @@
+"""JAX 0.10.2's own tests of control flow, custom derivatives, linear algebra and special
+functions, with `materialise` checked on every function they differentiate.
+
+`make test-jax-shadow` (or `python tests/jax_shadow_suite.py [pytest arguments]`) runs
+JAX's `lax_control_flow_test.py`, `custom_api_test.py`, `linalg_test.py` and
+`lax_scipy_test.py` (`--files` chooses others from `BLOBS`) under pytest, in float64
+(`--x32`: without x64, JAX's default, as JAX's CI runs them too), with this module as a
+plugin. The plugin shadows the entry points through which those tests
+differentiate their functions: `jax.jvp`, `jax.jacfwd`, `jax.jacrev`, `jax.grad` and
+`check_grads`. Each call whose differentiated arguments are concrete floating arrays (at
+most `MAX_SIZE` entries each) also takes, once per function and point, the Jacobian of
+the function through `materialise` in its automatic, forward and reverse modes, and
+compares it with `jax.jacfwd`'s, eager and under `jax.jit` (reverse mode also with
+`jax.jacrev`'s; `helpers.assert_jacobian_equal`, NaN patterns included). Then the call
+goes on to JAX's own function, so JAX's test runs as written.
+
+The verdict is the shadow's, not the tests': a check is a *defect* where ours differs
+from every reference, or raises where JAX differentiates the same function as ours does,
+staged: `jax.jacfwd(jax.jit(fn))` and `jax.linearize(fn)` both succeed (ours traces `fn`
+as `jax.jit` does and linearises it). A check where they do not is recorded under the
+reason: `jax raises` (the test differentiates a function `jax.jit(jax.jacfwd(fn))`
+refuses, such as Python control flow on a value), `as jax.jit` (custom-derivative rules
+that close over `vmap` tracers: JAX issue #8783), `as jax.linearize` (a `custom_vmap`
+without a derivative rule), `nonlinear rule` (a `custom_jvp` rule whose tangent is not
+linear in the input tangents, which JAX's symbolic-zero tests write on purpose: there is
+no Jacobian to agree on). The run prints every defect with its test and exits 1 if there
+is one, or if the shadow itself failed to check a function (`shadow error`). JAX's tests
+themselves may fail under the shadow where they count the calls of their functions or
+their derivative rules; their outcomes are printed, not judged.
+
+JAX's tests are not in the jax wheel, and come from JAX's git repository, as for
+`jax_indexing_suite.py`: `JAX_TESTS=/path/to/tests`, `JAX_GIT=/path/to/jax` (a clone or
+bare git directory with the tag `jax-v0.10.2`), or a shallow clone from GitHub into
+`.jax-tests/`; each file is checked against its git blob hash. The result is recorded in
+`docs/devdocs/structure_engine.md`.
+"""
+
+import collections
+import importlib.metadata
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+
+TAG = "jax-v0.10.2"
+REPO = "https://github.com/jax-ml/jax"
+# `git rev-parse jax-v0.10.2:tests/<file>` in JAX's repository.
+BLOBS = {
+    "lax_control_flow_test.py": "473022875d0392651da7056a71e47b971a5bf83e",
+    "custom_api_test.py": "2222d4f006cb0f89030d48eb3e079bb0ed0cec2a",
+    "linalg_test.py": "c43c27f2c6c66b512aa4bfd8b3193ac8b772072e",
+    "lax_scipy_test.py": "e1d6d8a4fa46fea0d4d390c817c2bdceeb66f8da",
+    "lax_autodiff_test.py": "969671cd5b3746e16ce10ed3c87ff9d88693cdfc",
+    "api_test.py": "b16bb7e9e77be50b9a3b78eb2db407570cd06239",
+}
+DEFAULT_FILES = [
+    "lax_control_flow_test.py",
+    "custom_api_test.py",
+    "linalg_test.py",
+    "lax_scipy_test.py",
+]
+MAX_SIZE = 400
+_LOG = "DL_JAX_SHADOW_LOG"
+
+
+def main(argv) -> int:
+    from outside_suite import fetch
+
+    installed = importlib.metadata.version("jax")
+    if f"jax-v{installed}" != TAG:
+        sys.exit(
+            f"JAX {TAG[5:]}'s tests need jax {TAG[5:]} installed, not {installed} "
+            "(`constraints.txt` pins it)."
+        )
+    x64 = "--x32" not in argv
+    argv = [a for a in argv if a != "--x32"]
+    files = DEFAULT_FILES
+    if "--files" in argv:
+        k = argv.index("--files")
+        files = argv[k + 1].split(",")
+        argv = argv[:k] + argv[k + 2 :]
+        unknown = [f for f in files if f not in BLOBS]
+        if unknown:
+            sys.exit(f"--files: not among {sorted(BLOBS)}: {unknown}")
+    here = pathlib.Path(__file__).resolve().parent
+    with tempfile.TemporaryDirectory(prefix="jax-shadow-suite-") as tmp:
+        tmp = pathlib.Path(tmp)
+        fetch(tmp, "jax", REPO, TAG, {f: BLOBS[f] for f in files})
+        log = tmp / "shadow.jsonl"
+        path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, **{_LOG: str(log), "PYTHONPATH": path})
+        env["JAX_ENABLE_X64"] = "1" if x64 else "0"
+        command = [sys.executable, "-m", "pytest", "-p", "jax_shadow_suite"]
+        command += ["-p", "no:cacheprovider", "-W", "ignore", *files, *argv]
+        print("+", " ".join(command), flush=True)
+        code = subprocess.run(command, cwd=tmp, env=env).returncode
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+    return _verdict(records, code)
+
+
+def _verdict(records, pytest_code) -> int:
+    counts = collections.Counter((r["file"], r["status"]) for r in records)
+    print(f"\nShadow checks of materialise ({len(records)}), by file and outcome:")
+    for (file, status), n in sorted(counts.items()):
+        print(f"  {file:28} {status:18} {n}")
+    defects = [r for r in records if r["status"] in ("defect", "shadow error")]
+    for r in defects:
+        print(f"\n{r['status'].upper()} in {r['test']} ({r['source']}):\n  {r['detail']}")
+    print(
+        f"\n{len(defects)} defects or failed checks; pytest's own exit status {pytest_code} "
+        "(JAX's tests are not the verdict: see the docstring)."
+    )
+    return 1 if defects or not records else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    sys.exit(main(sys.argv[1:]))
+
+
+# ---- the pytest plugin (loaded with `-p jax_shadow_suite`, `DL_JAX_SHADOW_LOG` set) ------
+
+import functools  # noqa: E402
+import hashlib  # noqa: E402
+import traceback  # noqa: E402
+
+import diffrax_linearize as dl  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jax.test_util  # noqa: E402
+import numpy as np  # noqa: E402
+from helpers import assert_jacobian_equal  # noqa: E402
+from jax._src import api, public_test_util, test_util  # noqa: E402
+
+
+_REAL = {
+    "jvp": api.jvp,
+    "jacfwd": jax.jacfwd,
+    "jacrev": jax.jacrev,
+    "grad": jax.grad,
+    "check_grads": public_test_util.check_grads,
+}
+_seen: set = set()
+_busy = [False]
+
+
+def _checkable(args, argnums) -> bool:
+    leaves = jax.tree.leaves(args)
+    if not leaves or any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return False
+    for k in argnums:
+        diff = jax.tree.leaves(args[k])
+        if not diff:
+            return False
+        for x in diff:
+            if not isinstance(x, (float, np.ndarray, np.generic, jax.Array)):
+                return False
+            if not jnp.issubdtype(jnp.result_type(x), jnp.floating) or np.size(x) > MAX_SIZE:
+                return False
+    return True
+
+
+def _key(fn, args, argnums) -> str:
+    h = hashlib.sha1()
+    code = getattr(getattr(fn, "__code__", None), "co_code", b"")
+    h.update(repr((getattr(fn, "__qualname__", type(fn).__name__), code, argnums)).encode())
+    for x in jax.tree.leaves(args):
+        h.update(repr((np.shape(x), jnp.result_type(x))).encode())
+        h.update(np.asarray(x).tobytes())
+    return h.hexdigest()
+
+
+def _equal_to_any(value, references) -> str | None:
+    """`None` if `value` is one of `references` (Jacobians), else why not (the first)."""
+    why = None
+    for ref in references:
+        try:
+            assert_jacobian_equal(value, ref, ulps=4096)
+            return None
+        except AssertionError as e:
+            why = why or str(e)[:600]
+    return why
+
+
+def _linear_rule(fn, args) -> bool:
+    """Whether `fn`'s JVP maps zero tangents to zero (a custom rule may not)."""
+    zeros = jax.tree.map(jnp.zeros_like, tuple(args))
+    _, tangents = _REAL["jvp"](fn, tuple(args), zeros)
+    return not any(np.any(np.asarray(t) != 0) for t in jax.tree.leaves(tangents))
+
+
+def _staged_reason(fn, args, argnums) -> str | None:
+    """Why JAX's staged differentiation of `fn` fails, as ours would, or `None`."""
+    try:
+        _REAL["jacfwd"](jax.jit(fn), argnums=argnums)(*args)
+    except Exception:
+        return "as jax.jit"
+    try:
+        jax.linearize(lambda *d: fn(*_merge(args, argnums, d)), *[args[k] for k in argnums])
+    except Exception:
+        return "as jax.linearize"
+    return None
+
+
+def _merge(args, argnums, diff):
+    args = list(args)
+    for k, d in zip(argnums, diff):
+        args[k] = d
+    return args
+
+
+def _check(fn, args, argnums, source):
+    """Compare `materialise(fn, *args, argnums=argnums)` with JAX's Jacobians, once per
+    function and point, and append the outcome to the log."""
+    args = tuple(args)
+    single = isinstance(argnums, int)
+    nums = (argnums,) if single else tuple(argnums)
+    if _busy[0] or not _checkable(args, nums):
+        return
+    key = _key(fn, args, nums)
+    if key in _seen:
+        return
+    _seen.add(key)
+    _busy[0] = True
+    argnums = argnums if single else nums
+    record = {"source": source, "status": "equal", "detail": ""}
+    try:
+        record.update(_compare(fn, args, argnums))
+    except Exception as e:  # the shadow itself: never the test's business
+        record.update(status="shadow error", detail=f"{type(e).__name__}: {e}"[:600])
+    finally:
+        _busy[0] = False
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    record.update(test=test, file=test.split("::")[0])
+    with open(os.environ[_LOG], "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _compare(fn, args, argnums) -> dict:
+    try:
+        forward = _REAL["jacfwd"](fn, argnums=argnums)(*args)
+        jitted = jax.jit(_REAL["jacfwd"](fn, argnums=argnums))(*args)
+    except Exception as e:
+        return {"status": "jax raises", "detail": f"{type(e).__name__}: {e}"[:300]}
+    if not all(jnp.issubdtype(np.result_type(x), jnp.floating) for x in jax.tree.leaves(forward)):
+        return {"status": "not float"}
+    try:
+        ours = {m: dl.materialise(fn, *args, argnums=argnums, mode=m) for m in _MODES}
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"[:600]
+        reason = _staged_reason(fn, args, argnums if isinstance(argnums, tuple) else (argnums,))
+        if reason:
+            return {"status": reason, "detail": why}
+        return {"status": "defect", "detail": f"ours raise: {why}\n{traceback.format_exc()[-800:]}"}
+    try:
+        backward = _REAL["jacrev"](fn, argnums=argnums)(*args)
+    except Exception:
+        backward = forward
+    wrong = {}
+    for mode, value in ours.items():
+        refs = (forward, jitted, backward) if mode == "reverse" else (forward, jitted)
+        why = _equal_to_any(value, refs)
+        if why:
+            wrong[mode] = why
+    if not wrong:
+        return {"status": "equal"}
+    if not _linear_rule(fn, args):
+        return {"status": "nonlinear rule", "detail": json.dumps(wrong)[:600]}
+    return {"status": "defect", "detail": f"ours differ from JAX's: {json.dumps(wrong)[:1200]}"}
+
+
+_MODES = ("auto", "forward", "reverse")
+
+
+def _shadow_check_grads(f, args, order, *rest, **kwargs):
+    _check(f, args, tuple(range(len(args))), "check_grads")
+    return _REAL["check_grads"](f, args, order, *rest, **kwargs)
+
+
+def _shadow_jvp(fun, primals, tangents, *rest, **kwargs):
+    # Only the tests' own calls: JAX's internals call `api.jvp` too, on functions that
+    # must run once (`custom_vmap`'s rules store their outputs).
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    if caller.startswith("jax."):
+        return _REAL["jvp"](fun, primals, tangents, *rest, **kwargs)
+    if not rest and not kwargs.get("has_aux") and isinstance(primals, (tuple, list)):
+        _check(fun, primals, tuple(range(len(primals))), "jvp")
+    return _REAL["jvp"](fun, primals, tangents, *rest, **kwargs)
+
+
+def _shadowed(name):
+    real = _REAL[name]
+
+    @functools.wraps(real)  # its name too: JAX's tests name parameterised cases by it
+    def transform(fun, argnums=0, *rest, **kwargs):
+        transformed = real(fun, argnums, *rest, **kwargs)
+        options = ("has_aux", "holomorphic", "allow_int", "reduce_axes")
+        if rest or any(kwargs.get(k) for k in options):
+            return transformed
+
+        @functools.wraps(transformed)
+        def call(*args, **kw):
+            if not kw:
+                _check(fun, args, argnums, name)
+            return transformed(*args, **kw)
+
+        return call
+
+    return transform
+
+
+def pytest_configure(config):
+    if _LOG not in os.environ:
+        raise RuntimeError(f"jax_shadow_suite is a plugin of its own driver: set {_LOG}.")
+    api.jvp = jax.jvp = _shadow_jvp
+    public_test_util.check_grads = _shadow_check_grads
+    test_util.check_grads = jax.test_util.check_grads = _shadow_check_grads
+    jax.jacfwd = _shadowed("jacfwd")
+    jax.jacrev = _shadowed("jacrev")
+    jax.grad = _shadowed("grad")
