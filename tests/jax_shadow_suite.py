@@ -2,14 +2,15 @@
 functions, with `materialise` checked on every function they differentiate.
 
 `make test-jax-shadow` (or `python tests/jax_shadow_suite.py [pytest arguments]`) runs
-JAX's `lax_control_flow_test.py`, `custom_api_test.py`, `linalg_test.py` and
-`lax_scipy_test.py` (`--files` chooses others from `BLOBS`) under pytest, in float64
-(`--x32`: without x64, JAX's default, as JAX's CI runs them too), with this module as a
-plugin. The plugin shadows the entry points through which those tests
-differentiate their functions: `jax.jvp`, `jax.jacfwd`, `jax.jacrev`, `jax.grad` and
-`check_grads`. Each call whose differentiated arguments are concrete floating arrays (at
-most `MAX_SIZE` entries each) also takes, once per function and point, the Jacobian of
-the function through `materialise` in its automatic, forward and reverse modes, and
+JAX's `lax_control_flow_test.py`, `custom_root_test.py`, `custom_linear_solve_test.py`,
+`custom_api_test.py`, `linalg_test.py` and `lax_scipy_test.py` (`--files` chooses others
+from `BLOBS`) under pytest, in float64 (`--x32`: without x64, JAX's default, as JAX's
+CI runs them too), with this module as a plugin. The plugin shadows the entry points
+through which those tests differentiate their functions: `jax.jvp`, `jax.jacfwd`,
+`jax.jacrev`, `jax.grad` and `check_grads`. Each call whose differentiated arguments are
+concrete floating arrays (at most `MAX_SIZE` entries each) also takes, once per test,
+function (its code and what it closes over) and point, the Jacobian of the function
+through `materialise` in its automatic, forward and reverse modes, and
 compares it with `jax.jacfwd`'s, eager and under `jax.jit` (reverse mode also with
 `jax.jacrev`'s; `helpers.assert_jacobian_equal`, NaN patterns included). Then the call
 goes on to JAX's own function, so JAX's test runs as written.
@@ -55,9 +56,13 @@ BLOBS = {
     "lax_scipy_test.py": "e1d6d8a4fa46fea0d4d390c817c2bdceeb66f8da",
     "lax_autodiff_test.py": "969671cd5b3746e16ce10ed3c87ff9d88693cdfc",
     "api_test.py": "b16bb7e9e77be50b9a3b78eb2db407570cd06239",
+    "custom_root_test.py": "6a7eaab1765785968395774d9255f2c6efeb5f05",
+    "custom_linear_solve_test.py": "dd99dd774143d141a8a0e6769d031dd9169c1d43",
 }
 DEFAULT_FILES = [
     "lax_control_flow_test.py",
+    "custom_root_test.py",
+    "custom_linear_solve_test.py",
     "custom_api_test.py",
     "linalg_test.py",
     "lax_scipy_test.py",
@@ -97,11 +102,18 @@ def main(argv) -> int:
         command += ["-p", "no:cacheprovider", "-W", "ignore", *files, *argv]
         print("+", " ".join(command), flush=True)
         code = subprocess.run(command, cwd=tmp, env=env).returncode
-        records = [json.loads(line) for line in log.read_text().splitlines()]
+        lines = log.read_text().splitlines() if log.exists() else []
+        records = [json.loads(line) for line in lines]
     return _verdict(records, code)
 
 
 def _verdict(records, pytest_code) -> int:
+    # One record per test, function and point (a defect, where one is among them).
+    unique = {}
+    for r in records:
+        if r["key"] not in unique or r["status"] in ("defect", "shadow error"):
+            unique[r["key"]] = r
+    records = list(unique.values())
     counts = collections.Counter((r["file"], r["status"]) for r in records)
     print(f"\nShadow checks of materialise ({len(records)}), by file and outcome:")
     for (file, status), n in sorted(counts.items()):
@@ -113,6 +125,8 @@ def _verdict(records, pytest_code) -> int:
         f"\n{len(defects)} defects or failed checks; pytest's own exit status {pytest_code} "
         "(JAX's tests are not the verdict: see the docstring)."
     )
+    if not records:
+        print("No function was checked: a run that checks nothing fails.")
     return 1 if defects or not records else 0
 
 
@@ -125,6 +139,7 @@ if __name__ == "__main__":
 
 import functools  # noqa: E402
 import hashlib  # noqa: E402
+import re  # noqa: E402
 import traceback  # noqa: E402
 
 import diffrax_linearize as dl  # noqa: E402
@@ -163,14 +178,38 @@ def _checkable(args, argnums) -> bool:
     return True
 
 
+def _describe(obj, depth=0) -> str:
+    """A text that tells functions apart by their code and what they close over, and
+    arrays by their contents; the same in every process."""
+    if depth > 3:
+        return "..."
+    if isinstance(obj, functools.partial):
+        parts = [obj.func, *obj.args, *sorted(obj.keywords.items())]
+        return "partial(" + ",".join(_describe(p, depth + 1) for p in parts) + ")"
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        cells = [c.cell_contents for c in (obj.__closure__ or ()) if _filled(c)]
+        inner = ",".join(_describe(c, depth + 1) for c in cells)
+        return f"{obj.__qualname__}:{hashlib.sha1(code.co_code).hexdigest()}({inner})"
+    if isinstance(obj, (np.ndarray, jax.Array)) and not isinstance(obj, jax.core.Tracer):
+        data = np.asarray(obj)
+        return f"{data.dtype}{data.shape}:{hashlib.sha1(data.tobytes()).hexdigest()}"
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(obj))[:200]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
 def _key(fn, args, argnums) -> str:
-    h = hashlib.sha1()
-    code = getattr(getattr(fn, "__code__", None), "co_code", b"")
-    h.update(repr((getattr(fn, "__qualname__", type(fn).__name__), code, argnums)).encode())
-    for x in jax.tree.leaves(args):
-        h.update(repr((np.shape(x), jnp.result_type(x))).encode())
-        h.update(np.asarray(x).tobytes())
-    return h.hexdigest()
+    """The test, the function (code and closure) and the point: one check each."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    text = repr((test, _describe(fn), [_describe(x) for x in jax.tree.leaves(args)], argnums))
+    return hashlib.sha1(text.encode()).hexdigest()
 
 
 def _equal_to_any(value, references) -> str | None:
@@ -226,7 +265,7 @@ def _check(fn, args, argnums, source):
     _seen.add(key)
     _busy[0] = True
     argnums = argnums if single else nums
-    record = {"source": source, "status": "equal", "detail": ""}
+    record = {"source": source, "status": "equal", "detail": "", "key": key}
     try:
         record.update(_compare(fn, args, argnums))
     except Exception as e:  # the shadow itself: never the test's business
@@ -245,8 +284,8 @@ def _compare(fn, args, argnums) -> dict:
         jitted = jax.jit(_REAL["jacfwd"](fn, argnums=argnums))(*args)
     except Exception as e:
         return {"status": "jax raises", "detail": f"{type(e).__name__}: {e}"[:300]}
-    if not all(jnp.issubdtype(np.result_type(x), jnp.floating) for x in jax.tree.leaves(forward)):
-        return {"status": "not float"}
+    if not all(jnp.issubdtype(np.result_type(x), jnp.inexact) for x in jax.tree.leaves(forward)):
+        return {"status": "integer output"}
     try:
         ours = {m: dl.materialise(fn, *args, argnums=argnums, mode=m) for m in _MODES}
     except Exception as e:
@@ -261,7 +300,8 @@ def _compare(fn, args, argnums) -> dict:
         backward = forward
     wrong = {}
     for mode, value in ours.items():
-        refs = (forward, jitted, backward) if mode == "reverse" else (forward, jitted)
+        # The automatic mode is reverse mode where `jax.jacrev` would be the choice.
+        refs = (forward, jitted) if mode == "forward" else (forward, jitted, backward)
         why = _equal_to_any(value, refs)
         if why:
             wrong[mode] = why
