@@ -46,7 +46,6 @@ shallow clone from GitHub into `.jax-tests/`; the file is checked against its gi
 hash (`outside_suite.py`). The result is recorded in `docs/devdocs/structure_engine.md`.
 """
 
-import importlib.metadata
 import importlib.util
 import itertools
 import os
@@ -65,14 +64,9 @@ _ENV = "DL_JAX_INDEXING_TEST"
 
 
 def main(argv) -> int:
-    from outside_suite import fetch, ROOT
+    from outside_suite import fetch, require_jax, ROOT
 
-    installed = importlib.metadata.version("jax")
-    if f"jax-v{installed}" != TAG:
-        sys.exit(
-            f"JAX {TAG[5:]}'s indexing tests need jax {TAG[5:]} installed, not {installed} "
-            "(`constraints.txt` pins it)."
-        )
+    require_jax(TAG, f"JAX {TAG[5:]}'s indexing tests")
     with tempfile.TemporaryDirectory(prefix="jax-indexing-suite-") as tmp:
         fetch(pathlib.Path(tmp), "jax", REPO, TAG, BLOBS)
         env = dict(os.environ, **{_ENV: str(pathlib.Path(tmp) / FILE)})

@@ -37,7 +37,6 @@ bare git directory with the tag `jax-v0.10.2`), or a shallow clone from GitHub i
 """
 
 import collections
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -72,14 +71,9 @@ _LOG = "DL_JAX_SHADOW_LOG"
 
 
 def main(argv) -> int:
-    from outside_suite import fetch
+    from outside_suite import fetch, require_jax
 
-    installed = importlib.metadata.version("jax")
-    if f"jax-v{installed}" != TAG:
-        sys.exit(
-            f"JAX {TAG[5:]}'s tests need jax {TAG[5:]} installed, not {installed} "
-            "(`constraints.txt` pins it)."
-        )
+    require_jax(TAG, f"JAX {TAG[5:]}'s tests")
     x64 = "--x32" not in argv
     argv = [a for a in argv if a != "--x32"]
     files = DEFAULT_FILES

@@ -65,6 +65,16 @@ def _check(dest: pathlib.Path, package: str, tag: str, blobs: dict, folder: str)
             sys.exit(f"{folder}/{name} is not {package} {tag}'s (git blob {actual}, not {blob}).")
 
 
+def require_jax(tag: str, what: str) -> None:
+    """Exit, saying so, unless the installed jax is the release of `tag` (`jax-vX.Y.Z`),
+    whose tests `what` reads."""
+    installed = importlib.metadata.version("jax")
+    if f"jax-v{installed}" != tag:
+        sys.exit(
+            f"{what} need jax {tag[5:]} installed, not {installed} (`constraints.txt` pins it)."
+        )
+
+
 def run(plugin: str, package: str, repo: str, tag: str, blobs: dict, argv: list[str]) -> int:
     """`pytest -p plugin` on the test files of `blobs`, read as `fetch` says and checked
     against their blob hashes, with `argv` appended; the installed `package` must be the
