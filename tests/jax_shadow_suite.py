@@ -102,12 +102,6 @@ def main(argv) -> int:
 
 
 def _verdict(records, pytest_code) -> int:
-    # One record per test, function and point (a defect, where one is among them).
-    unique = {}
-    for r in records:
-        if r["key"] not in unique or r["status"] in ("defect", "shadow error"):
-            unique[r["key"]] = r
-    records = list(unique.values())
     counts = collections.Counter((r["file"], r["status"]) for r in records)
     print(f"\nShadow checks of materialise ({len(records)}), by file and outcome:")
     for (file, status), n in sorted(counts.items()):
@@ -199,10 +193,15 @@ def _filled(cell) -> bool:
     return True
 
 
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+
+
 def _key(fn, args, argnums) -> str:
-    """The test, the function (code and closure) and the point: one check each."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-    text = repr((test, _describe(fn), [_describe(x) for x in jax.tree.leaves(args)], argnums))
+    """The test, the function (code and closure) and the point: one check each (a test
+    runs in one worker, so each worker's `_seen` makes the records unique)."""
+    leaves = [_describe(x) for x in jax.tree.leaves(args)]
+    text = repr((_current_test(), _describe(fn), leaves, argnums))
     return hashlib.sha1(text.encode()).hexdigest()
 
 
@@ -259,20 +258,21 @@ def _check(fn, args, argnums, source):
     _seen.add(key)
     _busy[0] = True
     argnums = argnums if single else nums
-    record = {"source": source, "status": "equal", "detail": "", "key": key}
+    record = {"source": source, "status": "equal", "detail": ""}
     try:
-        record.update(_compare(fn, args, argnums))
+        record.update(_compare(fn, args, argnums, nums))
     except Exception as e:  # the shadow itself: never the test's business
         record.update(status="shadow error", detail=f"{type(e).__name__}: {e}"[:600])
     finally:
         _busy[0] = False
-    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    test = _current_test()
     record.update(test=test, file=test.split("::")[0])
     with open(os.environ[_LOG], "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
-def _compare(fn, args, argnums) -> dict:
+def _compare(fn, args, argnums, nums) -> dict:
+    """The check's outcome: `argnums` as the test gave it, `nums` as a tuple."""
     try:
         forward = _REAL["jacfwd"](fn, argnums=argnums)(*args)
         jitted = jax.jit(_REAL["jacfwd"](fn, argnums=argnums))(*args)
@@ -284,7 +284,7 @@ def _compare(fn, args, argnums) -> dict:
         ours = {m: dl.materialise(fn, *args, argnums=argnums, mode=m) for m in _MODES}
     except Exception as e:
         why = f"{type(e).__name__}: {e}"[:600]
-        reason = _staged_reason(fn, args, argnums if isinstance(argnums, tuple) else (argnums,))
+        reason = _staged_reason(fn, args, nums)
         if reason:
             return {"status": reason, "detail": why}
         return {"status": "defect", "detail": f"ours raise: {why}\n{traceback.format_exc()[-800:]}"}
