@@ -100,6 +100,12 @@ def _internal_prims():
     except ImportError:  # pragma: no cover
         pass
     try:
+        from jax._src.custom_batching import custom_vmap_p
+
+        found["custom_vmap_call"] = custom_vmap_p
+    except ImportError:  # pragma: no cover
+        pass
+    try:
         from lineax._solve import linear_solve_p as _lineax_solve_p
 
         found["lineax_linear_solve"] = _lineax_solve_p

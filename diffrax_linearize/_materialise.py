@@ -264,11 +264,19 @@ def _custom_vjp_as_jvp(eqn):
 
 def _eval_forward_differentiable(jaxpr, consts, args):
     """Evaluate `jaxpr`, replacing every `custom_vjp_call` (inside calls and control flow
-    too) by a forward-differentiable equivalent."""
+    too) by a forward-differentiable equivalent, and inlining every `custom_vmap_call`'s
+    function."""
 
     def apply_eqn(eqn, vals):
         if eqn.primitive is prim("custom_vjp_call"):
             return _custom_vjp_as_jvp(eqn)(*vals)
+        if eqn.primitive is prim("custom_vmap_call"):
+            # `jax.custom_batching.custom_vmap`: only its batching rule is custom, and
+            # JAX differentiates its function (`custom_vmap_jvp`), as this inlining does;
+            # bound, it has no rule to split its linear part off (`jax.linearize` raises
+            # "Linearization failed to produce known values"), though `jax.jacfwd` works.
+            call = eqn.params["call"]
+            return evaluate(call.jaxpr, call.consts, vals)
         if is_cell_loop(eqn, vals):
             outs = _coloured_cell_loop(eqn, vals, evaluate, used.get(id(eqn)))
             if outs is not None:

@@ -1306,6 +1306,46 @@ def test_custom_vjp_in_while_loop():
         assert_tree_allclose(out, jax.jacfwd(loop(lambda y: y**3))(x), rtol=1e-12)
 
 
+def _custom_vmap_sin():
+    @jax.custom_batching.custom_vmap
+    def f(x):
+        return jnp.sin(x)
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, xs):
+        return jnp.sin(xs), in_batched[0]
+
+    return f
+
+
+def test_custom_vmap():
+    # `custom_vmap` has a custom batching rule only: JAX differentiates its function, but
+    # `jax.linearize` (and so `jax.jacrev`) fails on it ("Linearization failed to produce
+    # known values"), and did in ours. `sequential_vmap` is one too; there `jax.jacfwd`
+    # fails as well (it vmaps a scan over nothing), so its reference is written out.
+    f = _custom_vmap_sin()
+    g = jax.custom_batching.sequential_vmap(lambda x: jnp.cos(x) * x)
+    x = _input((5,), jnp.float64)
+    A = _const((5, 5), 36, jnp.float64)
+    cases = [
+        (f, jax.jacfwd(f)(x)),
+        (lambda x: A @ f(A @ x), jax.jacfwd(lambda x: A @ f(A @ x))(x)),
+        (lambda x: 2 * g(x) + x, jnp.diag(2 * (jnp.cos(x) - x * jnp.sin(x)) + 1)),
+    ]
+    for fn, expected in cases:
+        for mode in ("auto", "forward", "reverse"):
+            assert_tree_allclose(dl.materialise(fn, x, mode=mode), expected, rtol=1e-12)
+            jitted = jax.jit(lambda x: dl.materialise(fn, x, mode=mode))(x)
+            assert_tree_allclose(jitted, expected, rtol=1e-12)
+        operator = dl.materialise_operator(fn, x)
+        assert_tree_allclose(operator.as_matrix(), expected, rtol=1e-12)
+        assert_tree_allclose(dl.jacobian_diagonal(fn, x), jnp.diagonal(expected), rtol=1e-12)
+    assert isinstance(dl.materialise_operator(f, x), lx.DiagonalLinearOperator)
+    xs = jnp.stack([x, 2 * x])
+    batched = jax.vmap(lambda x: dl.materialise(f, x))(xs)
+    assert_tree_allclose(batched, jax.vmap(jax.jacfwd(f))(xs), rtol=1e-12)
+
+
 def test_while_loop_has_a_rule():
     A, _ = _matrices()
     x = _input((N,), jnp.float64)
