@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import lineax as lx
 import numpy as np
+from jax.dtypes import float0
 
 from . import _loops as _loops, _rules as _rules  # noqa: F401  (register the structure rules)
 from ._colouring import colour_columns, pattern_of
@@ -227,7 +228,13 @@ def _is_jaxpr(item) -> bool:
 def _custom_vjp_as_jvp(eqn):
     """A function equal to the `custom_vjp_call` equation, differentiable in forward mode:
     its JVP is the dense Jacobian from the custom VJP rule (reverse mode), applied to the
-    tangents. `jax.jacfwd` fails on such functions; we do not."""
+    tangents. `jax.jacfwd` fails on such functions; we do not.
+
+    The equation's first `num_consts` inputs are values its function closes over (the
+    constants of `jax.experimental.ode.odeint`'s Runge-Kutta tableau), which its VJP
+    rule does not cover: they are not differentiated, and a tangent that reaches one is an
+    error, as in `jax.jacrev`."""
+    num_consts = eqn.params.get("num_consts", 0)
 
     def primal(*xs):
         return bind_eqn(eqn, xs)
@@ -236,29 +243,49 @@ def _custom_vjp_as_jvp(eqn):
     def fn(*xs):
         return primal(*xs)
 
-    @fn.defjvp
     def fn_jvp(xs, ts):
-        diff = [i for i, x in enumerate(xs) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+        zero = [isinstance(t, jax.custom_derivatives.SymbolicZero) for t in ts]
+        if not all(zero[:num_consts]):
+            raise ValueError(
+                "diffrax_linearize: the function differentiates a `jax.custom_vjp` function "
+                "with respect to a value that function closes over, which its VJP rule does "
+                "not cover (`jax.jacrev` refuses it too). Pass that "
+                "value to the `custom_vjp` function as an argument, and give its "
+                "`fwd`/`bwd` rules its cotangent."
+            )
+        diff = [
+            i
+            for i, x in enumerate(xs)
+            if i >= num_consts and not zero[i] and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+        ]
+
+        outs = primal(*xs)
+        # Only the floating outputs have a Jacobian (`jax.jacrev` refuses the others: a
+        # loop's step counter, a flag); the others' tangents are `float0` zeros.
+        floating = [k for k, o in enumerate(outs) if jnp.issubdtype(o.dtype, jnp.inexact)]
 
         def of_diff(*d):
             full = list(xs)
             for i, v in zip(diff, d):
                 full[i] = v
-            return primal(*full)
+            outs = primal(*full)
+            return [outs[k] for k in floating]
 
-        outs = primal(*xs)
+        t_outs = [
+            jnp.zeros(jnp.shape(o), o.dtype) if k in floating else np.zeros(o.shape, float0)
+            for k, o in enumerate(outs)
+        ]
+        if not diff or not floating:
+            return outs, t_outs
         jac = jax.jacrev(of_diff, argnums=tuple(range(len(diff))))(*[xs[i] for i in diff])
-        t_outs = []
-        for k, out in enumerate(outs):
-            t = jnp.zeros(jnp.shape(out), jnp.result_type(out))
+        for n, k in enumerate(floating):
             for j, i in enumerate(diff):
                 ti = ts[i]
-                if ti.dtype == jax.dtypes.float0:
-                    continue
-                t = t + jnp.tensordot(jac[k][j], ti, axes=jnp.ndim(ti)).astype(t.dtype)
-            t_outs.append(t)
+                t = jnp.tensordot(jac[n][j], ti, axes=jnp.ndim(ti))
+                t_outs[k] = t_outs[k] + t.astype(t_outs[k].dtype)
         return outs, t_outs
 
+    fn.defjvp(fn_jvp, symbolic_zeros=True)
     return fn
 
 

@@ -1306,6 +1306,76 @@ def test_custom_vjp_in_while_loop():
         assert_tree_allclose(out, jax.jacfwd(loop(lambda y: y**3))(x), rtol=1e-12)
 
 
+def test_custom_vjp_with_constants():
+    # `odeint` is a `custom_vjp` whose equation takes its Runge-Kutta tableau as leading
+    # constants (`num_consts`), which its VJP rule does not cover: differentiating them
+    # raised JAX's "differentiation of a custom_vjp function with respect to a closed-over
+    # value" in every mode, where `jax.jacrev` works. Found by JAX's ode_test.py under the
+    # shadow suite.
+    from jax.experimental.ode import odeint
+
+    def solve(y0, ts, a):
+        return odeint(lambda y, t, a: -a * y + jnp.sin(t) * y[::-1], y0, ts, a)
+
+    y0, ts, a = _input((2,), jnp.float64), jnp.array([0.0, 0.5, 1.0]), jnp.array(2.0)
+    for argnums in (0, 1, 2, (0, 2)):
+        expected = jax.jacrev(solve, argnums=argnums)(y0, ts, a)
+        for mode in ("auto", "forward", "reverse"):
+            out = dl.materialise(solve, y0, ts, a, argnums=argnums, mode=mode)
+            assert_tree_allclose(out, expected, rtol=1e-12, atol=1e-14)
+    jitted = jax.jit(lambda y0: dl.materialise(solve, y0, ts, a))(y0)
+    assert_tree_allclose(jitted, jax.jacrev(solve)(y0, ts, a), rtol=1e-12, atol=1e-14)
+
+
+# Standard promotion: `diffrax.BacksolveAdjoint`'s backward solve multiplies its
+# direction, an integer, by a float; its `custom_vjp` equation re-bound from our jaxpr
+# passes it as a strongly typed array, which strict promotion refuses.
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("adjoint", ["recursive_checkpoint", "diffrax_backsolve", "ours"])
+def test_through_diffeqsolve_adjoints(adjoint):
+    # Diffrax's adjoints are `custom_vjp`s whose outputs include integers (the loop's step
+    # counter, flags), and `diffrax.BacksolveAdjoint`'s has leading constants: every mode
+    # raised (an AssertionError with the default adjoint, a CustomVJPException with
+    # `diffrax.BacksolveAdjoint`) where `jax.jacrev` works.
+    import diffrax as dfx
+
+    adjoint = {
+        "recursive_checkpoint": dfx.RecursiveCheckpointAdjoint(),
+        "diffrax_backsolve": dfx.BacksolveAdjoint(),
+        "ours": dl.BacksolveAdjoint(),
+    }[adjoint]
+    A = 0.3 * _const((3, 3), 37, jnp.float64)
+
+    def solve(y0):
+        term = dfx.ODETerm(lambda t, y, args: A @ jnp.tanh(y))
+        controller = dfx.PIDController(rtol=1e-8, atol=1e-10)
+        sol = dfx.diffeqsolve(
+            term, dfx.Tsit5(), 0.0, 1.0, 0.1, y0, adjoint=adjoint, stepsize_controller=controller
+        )
+        return sol.ys[-1]
+
+    y0 = _input((3,), jnp.float64)
+    expected = jax.jacrev(solve)(y0)
+    for mode in ("auto", "forward", "reverse"):
+        assert_tree_allclose(dl.materialise(solve, y0, mode=mode), expected, rtol=1e-10)
+    jitted = jax.jit(lambda y: dl.materialise(solve, y))(y0)
+    assert_tree_allclose(jitted, expected, rtol=1e-10)
+
+
+def test_custom_vjp_closing_over_the_input():
+    # Its VJP rule does not cover a value it closes over: a clear error, as JAX's.
+    def fn(x):
+        @jax.custom_vjp
+        def g(y):
+            return y * x
+
+        g.defvjp(lambda y: (y * x, None), lambda r, ct: (ct * x,))
+        return g(jnp.sin(x))
+
+    with pytest.raises(ValueError, match="closes over"):
+        dl.materialise(fn, _input((3,), jnp.float64))
+
+
 def _custom_vmap_sin():
     @jax.custom_batching.custom_vmap
     def f(x):
