@@ -237,6 +237,9 @@ def _custom_vjp_as_jvp(eqn):
     num_consts = eqn.params.get("num_consts", 0)
 
     def primal(*xs):
+        # Values known at trace time are NumPy arrays here; the rules are Python code
+        # that may index them with a tracer (`odeint`'s backward scan, `ts[i]`).
+        xs = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in xs]
         return bind_eqn(eqn, xs)
 
     @jax.custom_jvp

@@ -1325,6 +1325,12 @@ def test_custom_vjp_with_constants():
             assert_tree_allclose(out, expected, rtol=1e-12, atol=1e-14)
     jitted = jax.jit(lambda y0: dl.materialise(solve, y0, ts, a))(y0)
     assert_tree_allclose(jitted, jax.jacrev(solve)(y0, ts, a), rtol=1e-12, atol=1e-14)
+    # Times closed over: known at trace time, a NumPy array that the backward rule
+    # indexed with a tracer (`TracerArrayConversionError`; JAX's test_closure_nondiff).
+    closed = lambda y0: solve(y0, jnp.arange(4.0), a)  # noqa: E731
+    for mode in ("auto", "forward", "reverse"):
+        out = dl.materialise(closed, y0, mode=mode)
+        assert_tree_allclose(out, jax.jacrev(closed)(y0), rtol=1e-12, atol=1e-14)
 
 
 # Standard promotion: `diffrax.BacksolveAdjoint`'s backward solve multiplies its
