@@ -10,24 +10,30 @@ through which those tests differentiate their functions: `jax.jvp`, `jax.jacfwd`
 `jax.jacrev`, `jax.grad` and `check_grads`. Each call whose differentiated arguments are
 concrete floating arrays (at most `MAX_SIZE` entries each) also takes, once per test,
 function (its code and what it closes over) and point, the Jacobian of the function
-through `materialise` in its automatic, forward and reverse modes, and
-compares it with `jax.jacfwd`'s, eager and under `jax.jit` (reverse mode also with
-`jax.jacrev`'s; `helpers.assert_jacobian_equal`, NaN patterns included). Then the call
-goes on to JAX's own function, so JAX's test runs as written.
+through `materialise` in its automatic, forward and reverse modes, and, for one
+differentiated argument, `materialise_operator`'s matrix and (square Jacobians)
+`jacobian_diagonal`, and compares them with `jax.jacfwd`'s, eager and under `jax.jit`
+(reverse mode and the automatic one also with `jax.jacrev`'s;
+`helpers.assert_jacobian_equal`, NaN patterns included). Where `jax.jacfwd` fails and
+`jax.jacrev` works (a `custom_vjp`, such as `jax.experimental.ode.odeint`), `jax.jacrev`'s,
+eager and jitted, are the references (`equal to jacrev`). Then the call goes on to
+JAX's own function, so JAX's test runs as written.
 
 The verdict is the shadow's, not the tests': a check is a *defect* where ours differs
 from every reference, or raises where JAX differentiates the same function as ours does,
-staged: `jax.jacfwd(jax.jit(fn))` and `jax.linearize(fn)` both succeed (ours traces `fn`
-as `jax.jit` does and linearises it). A check where they do not is recorded under the
-reason: `jax raises` (the test differentiates a function `jax.jit(jax.jacfwd(fn))`
-refuses, such as Python control flow on a value), `as jax.jit` (custom-derivative rules
-that close over `vmap` tracers: JAX issue #8783), `as jax.linearize` (a `custom_vmap`
-without a derivative rule), `nonlinear rule` (a `custom_jvp` rule whose tangent is not
-linear in the input tangents, which JAX's symbolic-zero tests write on purpose: there is
-no Jacobian to agree on). The run prints every defect with its test and exits 1 if there
-is one, or if the shadow itself failed to check a function (`shadow error`). JAX's tests
-themselves may fail under the shadow where they count the calls of their functions or
-their derivative rules; their outcomes are printed, not judged.
+staged: `jax.jacfwd(jax.jit(fn))` (or `jax.jacrev`, as above) and `jax.linearize(fn)`
+both succeed (ours traces `fn` as `jax.jit` does and linearises it). A check where they
+do not is recorded under the reason: `jax raises` (the test differentiates a function
+`jax.jit(jax.jacfwd(fn))` refuses, such as Python control flow on a value), `as jax.jit`
+(custom-derivative rules that close over `vmap` tracers: JAX issue #8783), `as
+jax.linearize` (a `custom_vmap` without a derivative rule, before ours inlined it),
+`nonlinear rule` (a `custom_jvp` rule whose tangent is not linear in the input tangents,
+which JAX's symbolic-zero tests write on purpose; or a VJP that is not linear in the
+cotangent, `odeint`'s adaptive backward solve, `_linear_vjp`: there is no Jacobian to
+agree on). The run prints every defect with its test and exits 1 if there is one, or if
+the shadow itself failed to check a function (`shadow error`). JAX's tests themselves
+may fail under the shadow where they count the calls of their functions or their
+derivative rules; their outcomes are printed, not judged.
 
 JAX's tests are not in the jax wheel, and come from JAX's git repository, as for
 `jax_indexing_suite.py`: `JAX_TESTS=/path/to/tests`, `JAX_GIT=/path/to/jax` (a clone or
@@ -57,6 +63,20 @@ BLOBS = {
     "api_test.py": "b16bb7e9e77be50b9a3b78eb2db407570cd06239",
     "custom_root_test.py": "6a7eaab1765785968395774d9255f2c6efeb5f05",
     "custom_linear_solve_test.py": "dd99dd774143d141a8a0e6769d031dd9169c1d43",
+    "nn_test.py": "c179d8c13d33c4805afde428358aabee1474e2fe",
+    "sparse_test.py": "8923c4339ba25b751a56edb670afcbcbb116b513",
+    "lax_test.py": "da93ccaab6683be0283dc578888d0be2e034a14f",
+    "lax_numpy_test.py": "53e40b4243df798041b31bfde3b31f85ed1bb91f",
+    "ode_test.py": "43a53ed2f2394878a2ead4ca17c26f2aabb27e21",
+    "batching_test.py": "fd0f25b24afd5f6eb0fabd3bf1b70743ac14e0c0",
+    "sparse_bcoo_bcsr_test.py": "52dd666931eac647ae4deaf3de400e61ca24e4f4",
+    "random_lax_test.py": "3d71feaddf86fa6b161fdc00f3a389376b913ef0",
+    "lax_scipy_sparse_test.py": "21169a4d9a1a30a8a474b27d875e37573df548e8",
+    "lax_scipy_special_functions_test.py": "0d600eea940a7250ebe755af8ea6110d4104c562",
+    "fft_test.py": "cd869a1fa977e767ab36cfbba2c9b48aed1d6af9",
+    "image_test.py": "7d06c924655f65daa1e9b43f7208867a31a5b8a1",
+    "checkify_test.py": "d1b0f9f59f6ec00c1320acf61cff22d1a3727766",
+    "state_test.py": "dbc254d8b26dd5c94ae45ad8e79667e8855c21fa",
 }
 DEFAULT_FILES = [
     "lax_control_flow_test.py",
@@ -127,6 +147,7 @@ if __name__ == "__main__":
 
 import functools  # noqa: E402
 import hashlib  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import traceback  # noqa: E402
 
@@ -224,10 +245,34 @@ def _linear_rule(fn, args) -> bool:
     return not any(np.any(np.asarray(t) != 0) for t in jax.tree.leaves(tangents))
 
 
-def _staged_reason(fn, args, argnums) -> str | None:
+def _linear_vjp(fn, args, nums) -> bool:
+    """Whether `fn`'s VJP is linear in the cotangent, as far as two tests tell: it is
+    homogeneous (the pullback of `1024 * c` is `1024` times that of `c`: exact in floating
+    point for a linear map, with `c` all ones), and the pullback of `c` is the sum of the
+    pullbacks of the basis (`jax.jacrev`'s rows). A custom rule may not be linear:
+    `odeint`'s backward solve adapts its steps to the cotangent (its absolute tolerance),
+    so each Jacobian row and each product is right only to the solver's tolerance, and
+    a Jacobian formed through other cotangents than JAX's differs by that much."""
+
+    def flat(*d):
+        out = fn(*_merge(args, nums, d))
+        return jnp.concatenate([jnp.ravel(o) for o in jax.tree.leaves(out)])
+
+    diff = [args[k] for k in nums]
+    out, pullback = jax.vjp(flat, *diff)
+    ones = jnp.ones_like(out)
+    scaled = jax.tree.map(lambda v: v / 1024, pullback(1024 * ones))
+    if _equal_to_any(scaled, [pullback(ones)]) is not None:
+        return False
+    rows = _REAL["jacrev"](flat, argnums=tuple(range(len(diff))))(*diff)
+    summed = jax.tree.map(lambda r: jnp.sum(r, axis=0), rows)
+    return _equal_to_any(pullback(ones), [summed]) is None
+
+
+def _staged_reason(fn, args, argnums, transform="jacfwd") -> str | None:
     """Why JAX's staged differentiation of `fn` fails, as ours would, or `None`."""
     try:
-        _REAL["jacfwd"](jax.jit(fn), argnums=argnums)(*args)
+        _REAL[transform](jax.jit(fn), argnums=argnums)(*args)
     except Exception:
         return "as jax.jit"
     try:
@@ -273,18 +318,27 @@ def _check(fn, args, argnums, source):
 
 def _compare(fn, args, argnums, nums) -> dict:
     """The check's outcome: `argnums` as the test gave it, `nums` as a tuple."""
+    only_reverse = False
     try:
         forward = _REAL["jacfwd"](fn, argnums=argnums)(*args)
         jitted = jax.jit(_REAL["jacfwd"](fn, argnums=argnums))(*args)
     except Exception as e:
-        return {"status": "jax raises", "detail": f"{type(e).__name__}: {e}"[:300]}
+        # Forward mode may fail where reverse mode works (a `custom_vjp`, such as
+        # `jax.experimental.ode.odeint`): then `jax.jacrev`'s, eager and jitted, are the
+        # references, for every mode of ours.
+        try:
+            forward = _REAL["jacrev"](fn, argnums=argnums)(*args)
+            jitted = jax.jit(_REAL["jacrev"](fn, argnums=argnums))(*args)
+            only_reverse = True
+        except Exception:
+            return {"status": "jax raises", "detail": f"{type(e).__name__}: {e}"[:300]}
     if not all(jnp.issubdtype(np.result_type(x), jnp.inexact) for x in jax.tree.leaves(forward)):
         return {"status": "integer output"}
     try:
         ours = {m: dl.materialise(fn, *args, argnums=argnums, mode=m) for m in _MODES}
     except Exception as e:
         why = f"{type(e).__name__}: {e}"[:600]
-        reason = _staged_reason(fn, args, nums)
+        reason = _staged_reason(fn, args, nums, "jacrev" if only_reverse else "jacfwd")
         if reason:
             return {"status": reason, "detail": why}
         return {"status": "defect", "detail": f"ours raise: {why}\n{traceback.format_exc()[-800:]}"}
@@ -299,14 +353,49 @@ def _compare(fn, args, argnums, nums) -> dict:
         why = _equal_to_any(value, refs)
         if why:
             wrong[mode] = why
+    if isinstance(argnums, int):
+        wrong.update(_compare_flat(fn, args, argnums, (forward, jitted, backward)))
     if not wrong:
-        return {"status": "equal"}
-    if not _linear_rule(fn, args):
+        return {"status": "equal to jacrev" if only_reverse else "equal"}
+    linear = _linear_vjp(fn, args, nums) if only_reverse else _linear_rule(fn, args)
+    if not linear:
         return {"status": "nonlinear rule", "detail": json.dumps(wrong)[:600]}
     return {"status": "defect", "detail": f"ours differ from JAX's: {json.dumps(wrong)[:1200]}"}
 
 
 _MODES = ("auto", "forward", "reverse")
+
+
+def _flat(jac, fn, args, argnums):
+    """`jac`, a Jacobian as `jax.jacfwd` returns it for one argument, as a matrix: the
+    output's leaves flattened and joined by the argument's (lineax's order)."""
+    outs = [math.prod(o.shape) for o in jax.tree.leaves(jax.eval_shape(fn, *args))]
+    ins = [np.size(x) for x in jax.tree.leaves(args[argnums])]
+    blocks = iter(jax.tree.leaves(jac))
+    rows = [[jnp.reshape(next(blocks), (o, i)) for i in ins] for o in outs]
+    return jnp.block(rows) if rows and ins else jnp.zeros((sum(outs), sum(ins)))
+
+
+def _compare_flat(fn, args, argnums, references) -> dict:
+    """`materialise_operator`'s matrix and, for a square Jacobian, `jacobian_diagonal`,
+    against `references` (Jacobians as `jax.jacfwd` returns them for one argument)."""
+    flats = [_flat(r, fn, args, argnums) for r in references]
+    wrong = {}
+    try:
+        matrix = dl.materialise_operator(fn, *args, argnums=argnums).as_matrix()
+        wrong["materialise_operator"] = _equal_to_any(matrix, flats)
+    except Exception as e:
+        wrong["materialise_operator"] = f"ours raise: {type(e).__name__}: {e}"[:600]
+    n_out, n_in = flats[0].shape
+    if n_out == n_in:
+        x = args[argnums]
+        try:
+            diag = dl.jacobian_diagonal(lambda z: fn(*_merge(args, (argnums,), (z,))), x)
+            diag = jnp.concatenate([jnp.ravel(d) for d in jax.tree.leaves(diag)] or [diag])
+            wrong["jacobian_diagonal"] = _equal_to_any(diag, [jnp.diagonal(f) for f in flats])
+        except Exception as e:
+            wrong["jacobian_diagonal"] = f"ours raise: {type(e).__name__}: {e}"[:600]
+    return {k: v for k, v in wrong.items() if v}
 
 
 def _shadow_check_grads(f, args, order, *rest, **kwargs):
