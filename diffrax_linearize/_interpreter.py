@@ -681,6 +681,36 @@ def _depending_outputs(eqn, is_lin) -> list[bool]:
     return out
 
 
+def map_columns(fn: Callable, args, in_axes) -> list:
+    """`jax.vmap(fn, in_axes=in_axes, out_axes=-1)(*args)`, with each of `in_axes` either
+    `-1` or `None`: `fn` applied to each column (the last axis) of the mapped arguments.
+
+    Some primitives have no batching rule (`jax.experimental.sparse`'s `coo_todense`, for
+    which `jax.jacfwd` fails too), or one for a leading batch axis only (`bcoo_dot_general`
+    refuses a trailing one). Those are mapped over a leading axis, and failing that with
+    `jax.lax.map`, a loop that needs no batching rule."""
+    try:
+        return jax.vmap(fn, in_axes=in_axes, out_axes=-1)(*args)
+    except NotImplementedError:
+        pass
+    front = [a if ax is None else jnp.moveaxis(a, -1, 0) for a, ax in zip(args, in_axes)]
+    axes = [None if ax is None else 0 for ax in in_axes]
+    try:
+        return jax.vmap(fn, in_axes=axes, out_axes=-1)(*front)
+    except NotImplementedError:
+        pass
+    mapped = [k for k, ax in enumerate(in_axes) if ax is not None]
+
+    def column(cols):
+        full = list(args)
+        for k, c in zip(mapped, cols):
+            full[k] = c
+        return fn(*full)
+
+    outs = jax.lax.map(column, [front[k] for k in mapped])
+    return jax.tree.map(lambda o: jnp.moveaxis(o, 0, -1), outs)
+
+
 def dense_fallback(ctx: Context, eqn, vals, reason: str | None = None) -> list:
     """The exact fallback for any equation: for each input leaf, the dense Jacobians of the
     linear inputs are pushed through the equation with `jax.vmap` over the leaf's basis,
@@ -718,7 +748,7 @@ def dense_fallback(ctx: Context, eqn, vals, reason: str | None = None) -> list:
             else:
                 args.append(x)
                 in_axes.append(None)
-        columns = jax.vmap(lambda *a: bind_eqn(eqn, a), in_axes=in_axes, out_axes=-1)(*args)
+        columns = map_columns(lambda *a: bind_eqn(eqn, a), args, in_axes)
         for k, v in enumerate(eqn.outvars):
             if is_lin[k]:
                 shape = tuple(v.aval.shape)

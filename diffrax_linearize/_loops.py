@@ -26,6 +26,7 @@ from ._interpreter import (
     interpret,
     known,
     Lin,
+    map_columns,
     register_rule,
 )
 from ._rules import conform, join
@@ -325,7 +326,7 @@ def _scan_by_colouring(ctx, eqn, vals, initial, step, length, nk, ys_structures)
             else:
                 args.append(x)
                 axes.append(None)
-        compressed = jax.vmap(lambda *a: bind_eqn(eqn, a), in_axes=axes, out_axes=-1)(*args)
+        compressed = map_columns(lambda *a: bind_eqn(eqn, a), args, axes)
         for k, (columns, live) in patterns[p]:
             aval = eqn.outvars[k].aval
             blocks[k][p] = decompress(

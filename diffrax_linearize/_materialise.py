@@ -27,6 +27,7 @@ from ._interpreter import (
     jvp_may_add_constants,
     known,
     Lin,
+    map_columns,
     split_of,
     subjaxprs,
 )
@@ -225,7 +226,7 @@ def _is_jaxpr(item) -> bool:
     return hasattr(item, "eqns") or (hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"))
 
 
-def _custom_vjp_as_jvp(eqn):
+def _custom_vjp_as_jvp(eqn, used=None):
     """A function equal to the `custom_vjp_call` equation, differentiable in forward mode:
     its JVP is the dense Jacobian from the custom VJP rule (reverse mode), applied to the
     tangents. `jax.jacfwd` fails on such functions; we do not.
@@ -233,7 +234,9 @@ def _custom_vjp_as_jvp(eqn):
     The equation's first `num_consts` inputs are values its function closes over (the
     constants of `jax.experimental.ode.odeint`'s Runge-Kutta tableau), which its VJP
     rule does not cover: they are not differentiated, and a tangent that reaches one is an
-    error, as in `jax.jacrev`."""
+    error, as in `jax.jacrev`. `used` tells which outputs the rest of the program reads
+    (default: all): only those are pulled back, so that the `bwd` rule sees the cotangents
+    `jax.jacrev` would give it (a symbolic zero for an output nothing reads)."""
     num_consts = eqn.params.get("num_consts", 0)
 
     def primal(*xs):
@@ -263,9 +266,14 @@ def _custom_vjp_as_jvp(eqn):
         ]
 
         outs = primal(*xs)
-        # Only the floating outputs have a Jacobian (`jax.jacrev` refuses the others: a
-        # loop's step counter, a flag); the others' tangents are `float0` zeros.
-        floating = [k for k, o in enumerate(outs) if jnp.issubdtype(o.dtype, jnp.inexact)]
+        # Only the floating outputs that are read have a Jacobian (`jax.jacrev` refuses
+        # the others: a loop's step counter, a flag); the others' tangents are zeros
+        # (`float0` for integers).
+        floating = [
+            k
+            for k, o in enumerate(outs)
+            if jnp.issubdtype(o.dtype, jnp.inexact) and (used is None or used[k])
+        ]
 
         def of_diff(*d):
             full = list(xs)
@@ -275,8 +283,10 @@ def _custom_vjp_as_jvp(eqn):
             return [outs[k] for k in floating]
 
         t_outs = [
-            jnp.zeros(jnp.shape(o), o.dtype) if k in floating else np.zeros(o.shape, float0)
-            for k, o in enumerate(outs)
+            jnp.zeros(jnp.shape(o), o.dtype)
+            if jnp.issubdtype(o.dtype, jnp.inexact)
+            else np.zeros(o.shape, float0)
+            for o in outs
         ]
         if not diff or not floating:
             return outs, t_outs
@@ -299,7 +309,7 @@ def _eval_forward_differentiable(jaxpr, consts, args):
 
     def apply_eqn(eqn, vals):
         if eqn.primitive is prim("custom_vjp_call"):
-            return _custom_vjp_as_jvp(eqn)(*vals)
+            return _custom_vjp_as_jvp(eqn, used.get(id(eqn)))(*vals)
         if eqn.primitive is prim("custom_vmap_call"):
             # `jax.custom_batching.custom_vmap`: only its batching rule is custom, and
             # JAX differentiates its function (`custom_vmap_jvp`), as this inlining does;
@@ -327,15 +337,16 @@ def _eval_forward_differentiable(jaxpr, consts, args):
             return True
         return _closes_over_known_index(eqn)
 
-    # Which outputs of each loop the rest of its jaxpr uses: an unused carry (a running
-    # total) must not make a loop over cells look dense.
+    # Which outputs of each loop and `custom_vjp_call` the rest of its jaxpr uses: an
+    # unused carry (a running total) must not make a loop over cells look dense, and an
+    # unused output of a `custom_vjp` is not pulled back.
     used = {}
 
     def evaluate(jaxpr, consts, args):
         read = {v for e in jaxpr.eqns for v in e.invars if not is_literal(v)}
         read |= {v for v in jaxpr.outvars if not is_literal(v)}
         for e in jaxpr.eqns:
-            if e.primitive is prim("scan"):
+            if e.primitive in (prim("scan"), prim("custom_vjp_call")):
                 used[id(e)] = [v in read for v in e.outvars]
         return eval_jaxpr(jaxpr, consts, args, apply_eqn, inline=inline)
 
@@ -749,7 +760,11 @@ def _jacfwd_cells(spec: _Spec, f_jvp, diff, chunk: int | None = _FALLBACK_CHUNK)
         """Columns `start` to `start + chunk` of every output's Jacobian."""
         rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, n), 0) + start
         basis = (rows == jax.lax.broadcasted_iota(jnp.int32, (chunk, n), 1)).astype(dtype)
-        outs = jax.vmap(push)(jax.lax.optimization_barrier(basis))
+        basis = jax.lax.optimization_barrier(basis)
+        try:
+            outs = jax.vmap(push)(basis)
+        except NotImplementedError:  # no batching rule: `map_columns`'s ways
+            outs = [jnp.moveaxis(o, -1, 0) for o in map_columns(push, [basis.T], [-1])]
         return [
             None if d == jax.dtypes.float0 else t.reshape(chunk, math.prod(a.shape)).T.astype(d)
             for t, d, a in zip(outs, dtypes, avals)

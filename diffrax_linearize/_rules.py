@@ -22,6 +22,7 @@ from ._interpreter import (
     interpret,
     known,
     Lin,
+    map_columns,
     register_rule,
 )
 from ._sparsity import (
@@ -232,7 +233,7 @@ def _apply_along_out(ctx: Context, eqn, vals, positions=None, lost: str | None =
         in_axes[pos] = -1
         args = list(vals)
         args[pos] = flat
-        res = jax.vmap(lambda *a: bind_eqn(eqn, a)[0], in_axes=in_axes, out_axes=-1)(*args)
+        res = map_columns(lambda *a: bind_eqn(eqn, a)[0], args, in_axes)
         sizes = b.sizes
         res = res.reshape(tuple(aval.shape) + tuple(sizes[label] for label in in_side))
         out_labels = [fresh_label() for _ in aval.shape]

@@ -1382,6 +1382,63 @@ def test_custom_vjp_closing_over_the_input():
         dl.materialise(fn, _input((3,), jnp.float64))
 
 
+def test_custom_vjp_unread_output():
+    # An output that nothing reads is not pulled back: the `bwd` rule gets a symbolic
+    # zero for it, as under `jax.jacrev` (JAX's test_symbolic_zero_custom_vjp_vmap_output
+    # asserts this inside its rule, and failed under ours).
+    cotangents = []
+
+    @jax.custom_vjp
+    def f(x, y):
+        return 2 * x, 3 * y
+
+    def fwd(x, y):
+        return f(x.value, y.value), None
+
+    def bwd(_, g):
+        gx, gy = g
+        cotangents.append(type(gy))
+        if isinstance(gy, jax.custom_derivatives.SymbolicZero):
+            gy = jnp.zeros(gy.shape, gy.dtype)
+        return 2 * gx, 3 * gy
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
+    fn = lambda x, y: jax.vmap(f)(x, y)[0] * x  # noqa: E731
+    x, y = _input((3,), jnp.float64), _input((3,), jnp.float64, seed=1)
+    for mode in ("auto", "forward", "reverse"):
+        out = dl.materialise(fn, x, y, mode=mode)
+        assert_tree_allclose(out, jax.jacrev(fn)(x, y), rtol=1e-14)
+    assert cotangents and set(cotangents) == {jax.custom_derivatives.SymbolicZero}
+
+
+def test_primitives_without_a_batching_rule():
+    # `jax.experimental.sparse`'s COO primitives have no batching rule (`jax.jacfwd`
+    # fails), and `bcoo_dot_general`'s refuses a trailing batch axis: the dense fallback
+    # vmapped over one, and raised "Batching rule for 'coo_todense' not implemented" or
+    # "batch_dims must be None or satisfy 0 < dim < n_batch" in every mode where
+    # `jax.jacrev` works (JAX's sparse_test.py, under the shadow suite).
+    from jax.experimental import sparse
+    from jax.experimental.sparse import coo
+
+    M = jnp.where(_const((5, 8), 39, jnp.float64) > 0.3, _const((5, 8), 38, jnp.float64), 0.0)
+    data, row, col = coo._coo_fromdense(M, nse=int((M != 0).sum()))
+    info = coo.COOInfo(shape=M.shape, rows_sorted=True)
+    X = sparse.BCOO.fromdense(M)
+    y = _input((8,), jnp.float64)
+    cases = [
+        (lambda d: coo._coo_todense(d, row, col, spinfo=info), data),
+        (lambda d: coo._coo_matvec(d, row, col, y, spinfo=info) ** 2, data),
+        (lambda d: jnp.sin(sparse.BCOO((d, X.indices), shape=X.shape) @ y), X.data),
+        (lambda y: jnp.sin(X @ y) * y[:5], y),
+    ]
+    for fn, x in cases:
+        expected = jax.jacrev(fn)(x)
+        for mode in ("auto", "forward", "reverse"):
+            assert_tree_allclose(dl.materialise(fn, x, mode=mode), expected, rtol=1e-13)
+            jitted = jax.jit(lambda x: dl.materialise(fn, x, mode=mode))(x)
+            assert_tree_allclose(jitted, expected, rtol=1e-13)
+
+
 def _custom_vmap_sin():
     @jax.custom_batching.custom_vmap
     def f(x):
