@@ -686,18 +686,20 @@ def map_columns(fn: Callable, args, in_axes) -> list:
     `-1` or `None`: `fn` applied to each column (the last axis) of the mapped arguments.
 
     Some primitives have no batching rule (`jax.experimental.sparse`'s `coo_todense`, for
-    which `jax.jacfwd` fails too), or one for a leading batch axis only (`bcoo_dot_general`
-    refuses a trailing one). Those are mapped over a leading axis, and failing that with
-    `jax.lax.map`, a loop that needs no batching rule."""
+    which `jax.jacfwd` fails too), or one for leading batch axes only (the BCOO
+    primitives raise `NotImplementedError` or `ValueError` for a trailing one). Where
+    mapping over the trailing axis raises, the leading one is tried, and then
+    `jax.lax.map`, a loop that needs no batching rule; an error of `fn` itself is raised
+    by that last one."""
     try:
         return jax.vmap(fn, in_axes=in_axes, out_axes=-1)(*args)
-    except NotImplementedError:
+    except Exception:
         pass
     front = [a if ax is None else jnp.moveaxis(a, -1, 0) for a, ax in zip(args, in_axes)]
     axes = [None if ax is None else 0 for ax in in_axes]
     try:
         return jax.vmap(fn, in_axes=axes, out_axes=-1)(*front)
-    except NotImplementedError:
+    except Exception:
         pass
     mapped = [k for k, ax in enumerate(in_axes) if ax is not None]
 

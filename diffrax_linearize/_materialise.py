@@ -763,7 +763,7 @@ def _jacfwd_cells(spec: _Spec, f_jvp, diff, chunk: int | None = _FALLBACK_CHUNK)
         basis = jax.lax.optimization_barrier(basis)
         try:
             outs = jax.vmap(push)(basis)
-        except NotImplementedError:  # no batching rule: `map_columns`'s ways
+        except Exception:  # no batching rule for a leading axis: `map_columns`'s ways
             outs = [jnp.moveaxis(o, -1, 0) for o in map_columns(push, [basis.T], [-1])]
         return [
             None if d == jax.dtypes.float0 else t.reshape(chunk, math.prod(a.shape)).T.astype(d)

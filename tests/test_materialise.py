@@ -2,6 +2,7 @@
 `jax.jacfwd` cannot run): one case per structure rule, pytrees, transformations, the
 structure of the traced program, caching, and errors."""
 
+import functools
 import warnings
 
 import diffrax_linearize as dl
@@ -1416,7 +1417,7 @@ def test_primitives_without_a_batching_rule():
     # fails), and `bcoo_dot_general`'s refuses a trailing batch axis: the dense fallback
     # vmapped over one, and raised "Batching rule for 'coo_todense' not implemented" or
     # "batch_dims must be None or satisfy 0 < dim < n_batch" in every mode where
-    # `jax.jacrev` works (JAX's sparse_test.py, under the shadow suite).
+    # `jax.jacrev` works (JAX's sparse tests, under the shadow suite).
     from jax.experimental import sparse
     from jax.experimental.sparse import coo
 
@@ -1431,6 +1432,15 @@ def test_primitives_without_a_batching_rule():
         (lambda d: jnp.sin(sparse.BCOO((d, X.indices), shape=X.shape) @ y), X.data),
         (lambda y: jnp.sin(X @ y) * y[:5], y),
     ]
+    # Batch and dense dimensions (JAX's sparse_bcoo_bcsr_test.py): their batching rules
+    # raise `ValueError` for a trailing batch axis.
+    for shape, n_batch, n_dense in [((3, 4, 5), 2, 0), ((2, 3, 4, 5), 1, 1)]:
+        A = jnp.where(_const(shape, 40, jnp.float64) > 0, _const(shape, 41, jnp.float64), 0.0)
+        nse = sparse.util._count_stored_elements(A, n_batch=n_batch, n_dense=n_dense)
+        to_bcoo = functools.partial(
+            sparse.BCOO.fromdense, nse=nse, n_batch=n_batch, n_dense=n_dense
+        )
+        cases.append((lambda A, to_bcoo=to_bcoo: 2 * to_bcoo(A).todense(), A))
     for fn, x in cases:
         expected = jax.jacrev(fn)(x)
         for mode in ("auto", "forward", "reverse"):
