@@ -30,10 +30,12 @@ jax.linearize` (a `custom_vmap` without a derivative rule, before ours inlined i
 `nonlinear rule` (a `custom_jvp` rule whose tangent is not linear in the input tangents,
 which JAX's symbolic-zero tests write on purpose; or a VJP that is not linear in the
 cotangent, `odeint`'s adaptive backward solve, `_linear_vjp`: there is no Jacobian to
-agree on). The run prints every defect with its test and exits 1 if there is one, or if
-the shadow itself failed to check a function (`shadow error`). JAX's tests themselves
-may fail under the shadow where they count the calls of their functions or their
-derivative rules; their outcomes are printed, not judged.
+agree on), `batching rule differs` (a `custom_vmap` whose batching rule computes another
+function, so that `jax.jacfwd` and `jax.jvp` disagree: `_consistent_batching`). The run
+prints every defect with its test and exits 1 if there is one, or if the shadow itself
+failed to check a function (`shadow error`). JAX's tests themselves may fail under the
+shadow where they count the calls of their functions or their derivative rules; their
+outcomes are printed, not judged.
 
 JAX's tests are not in the jax wheel, and come from JAX's git repository, as for
 `jax_indexing_suite.py`: `JAX_TESTS=/path/to/tests`, `JAX_GIT=/path/to/jax` (a clone or
@@ -147,7 +149,6 @@ if __name__ == "__main__":
 
 import functools  # noqa: E402
 import hashlib  # noqa: E402
-import math  # noqa: E402
 import re  # noqa: E402
 import traceback  # noqa: E402
 
@@ -269,6 +270,38 @@ def _linear_vjp(fn, args, nums) -> bool:
     return _equal_to_any(pullback(ones), [summed]) is None
 
 
+def _shaped_as_inputs(jac, args, nums) -> bool:
+    """Whether every block of `jac` (as `jax.jacrev` returns it) ends in its input's
+    shape."""
+    shapes = [np.shape(x) for x in jax.tree.leaves([args[k] for k in nums])]
+    leaves = jax.tree.leaves(jac)
+    if not shapes or len(leaves) % len(shapes):
+        return not shapes
+    return all(
+        tuple(np.shape(b)[len(np.shape(b)) - len(s) :]) == tuple(s)
+        for k, b in enumerate(leaves)
+        for s in [shapes[k % len(shapes)]]
+    )
+
+
+def _consistent_batching(fn, args, nums, forward) -> bool:
+    """Whether JAX's own forward derivative is the same batched and not: `jax.jacfwd`'s
+    Jacobian (a `jax.vmap` over the basis) applied to ones, against one `jax.jvp` along
+    ones. A `custom_vmap` whose batching rule computes another function than its own
+    (JAX's test_partial_eval_raises writes one on purpose) has two derivatives."""
+    diff = [args[k] for k in nums]
+    ins = [np.size(x) for x in jax.tree.leaves(diff)]
+    ones = jax.tree.map(jnp.ones_like, diff)
+    _, tangent = _REAL["jvp"](lambda *d: fn(*_merge(args, nums, d)), diff, ones)
+    leaves = jax.tree.leaves(forward)
+    blocks = [leaves[k : k + len(ins)] for k in range(0, len(leaves), len(ins))]
+    for out, row in zip(jax.tree.leaves(tangent), blocks):
+        pushed = sum(jnp.reshape(b, (np.size(out), i)).sum(axis=1) for b, i in zip(row, ins))
+        if _equal_to_any(pushed, [jnp.ravel(out)]) is not None:
+            return False
+    return True
+
+
 def _staged_reason(fn, args, argnums, transform="jacfwd") -> str | None:
     """Why JAX's staged differentiation of `fn` fails, as ours would, or `None`."""
     try:
@@ -307,7 +340,8 @@ def _check(fn, args, argnums, source):
     try:
         record.update(_compare(fn, args, argnums, nums))
     except Exception as e:  # the shadow itself: never the test's business
-        record.update(status="shadow error", detail=f"{type(e).__name__}: {e}"[:600])
+        where = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[-6:]))
+        record.update(status="shadow error", detail=f"{type(e).__name__}: {e}"[:600] + where)
     finally:
         _busy[0] = False
     test = _current_test()
@@ -332,6 +366,10 @@ def _compare(fn, args, argnums, nums) -> dict:
             only_reverse = True
         except Exception:
             return {"status": "jax raises", "detail": f"{type(e).__name__}: {e}"[:300]}
+        if not _shaped_as_inputs(forward, args, nums):
+            # A `bwd` rule returning cotangents of other shapes, with JAX's checks
+            # disabled (test_bwd_rule_shape_mismatch_disable): no Jacobian.
+            return {"status": "jax raises", "detail": "jax.jacrev: blocks not shaped as inputs"}
     if not all(jnp.issubdtype(np.result_type(x), jnp.inexact) for x in jax.tree.leaves(forward)):
         return {"status": "integer output"}
     try:
@@ -360,26 +398,29 @@ def _compare(fn, args, argnums, nums) -> dict:
     linear = _linear_vjp(fn, args, nums) if only_reverse else _linear_rule(fn, args)
     if not linear:
         return {"status": "nonlinear rule", "detail": json.dumps(wrong)[:600]}
+    if not only_reverse and not _consistent_batching(fn, args, nums, forward):
+        return {"status": "batching rule differs", "detail": json.dumps(wrong)[:600]}
     return {"status": "defect", "detail": f"ours differ from JAX's: {json.dumps(wrong)[:1200]}"}
 
 
 _MODES = ("auto", "forward", "reverse")
 
 
-def _flat(jac, fn, args, argnums):
+def _flat(jac, args, argnums):
     """`jac`, a Jacobian as `jax.jacfwd` returns it for one argument, as a matrix: the
     output's leaves flattened and joined by the argument's (lineax's order)."""
-    outs = [math.prod(o.shape) for o in jax.tree.leaves(jax.eval_shape(fn, *args))]
     ins = [np.size(x) for x in jax.tree.leaves(args[argnums])]
-    blocks = iter(jax.tree.leaves(jac))
-    rows = [[jnp.reshape(next(blocks), (o, i)) for i in ins] for o in outs]
+    leaves = jax.tree.leaves(jac)  # output leaf by output leaf, each by the inputs'
+    blocks = [leaves[k : k + len(ins)] for k in range(0, len(leaves), len(ins))]
+    outs = [next((np.size(b) // i for b, i in zip(row, ins) if i), 0) for row in blocks]
+    rows = [[jnp.reshape(b, (o, i)) for b, i in zip(row, ins)] for row, o in zip(blocks, outs)]
     return jnp.block(rows) if rows and ins else jnp.zeros((sum(outs), sum(ins)))
 
 
 def _compare_flat(fn, args, argnums, references) -> dict:
     """`materialise_operator`'s matrix and, for a square Jacobian, `jacobian_diagonal`,
     against `references` (Jacobians as `jax.jacfwd` returns them for one argument)."""
-    flats = [_flat(r, fn, args, argnums) for r in references]
+    flats = [_flat(r, args, argnums) for r in references]
     wrong = {}
     try:
         matrix = dl.materialise_operator(fn, *args, argnums=argnums).as_matrix()
