@@ -30,12 +30,13 @@ jax.linearize` (a `custom_vmap` without a derivative rule, before ours inlined i
 `nonlinear rule` (a `custom_jvp` rule whose tangent is not linear in the input tangents,
 which JAX's symbolic-zero tests write on purpose; or a VJP that is not linear in the
 cotangent, `odeint`'s adaptive backward solve, `_linear_vjp`: there is no Jacobian to
-agree on), `batching rule differs` (a `custom_vmap` whose batching rule computes another
-function, so that `jax.jacfwd` and `jax.jvp` disagree: `_consistent_batching`). The run
-prints every defect with its test and exits 1 if there is one, or if the shadow itself
-failed to check a function (`shadow error`). JAX's tests themselves may fail under the
-shadow where they count the calls of their functions or their derivative rules; their
-outcomes are printed, not judged.
+agree on), `under a trace` (JAX's Jacobian is itself a tracer: rules that close over a
+value an enclosing `jax.jit` traces), `batching rule differs` (a `custom_vmap` whose
+batching rule computes another function, so that `jax.jacfwd` and `jax.jvp` disagree:
+`_consistent_batching`). The run prints every defect with its test and exits 1 if there
+is one, or if the shadow itself failed to check a function (`shadow error`). JAX's tests
+themselves may fail under the shadow where they count the calls of their functions or
+their derivative rules; their outcomes are printed, not judged.
 
 JAX's tests are not in the jax wheel, and come from JAX's git repository, as for
 `jax_indexing_suite.py`: `JAX_TESTS=/path/to/tests`, `JAX_GIT=/path/to/jax` (a clone or
@@ -370,6 +371,10 @@ def _compare(fn, args, argnums, nums) -> dict:
             # A `bwd` rule returning cotangents of other shapes, with JAX's checks
             # disabled (test_bwd_rule_shape_mismatch_disable): no Jacobian.
             return {"status": "jax raises", "detail": "jax.jacrev: blocks not shaped as inputs"}
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(forward)):
+        # A function whose rules close over a value traced outside it (a `bwd` rule
+        # capturing an enclosing `jax.jit`'s argument): its Jacobian is traced too.
+        return {"status": "under a trace"}
     if not all(jnp.issubdtype(np.result_type(x), jnp.inexact) for x in jax.tree.leaves(forward)):
         return {"status": "integer output"}
     try:
