@@ -715,8 +715,8 @@ def map_columns(fn: Callable, args, in_axes) -> list:
 
 def dense_fallback(ctx: Context, eqn, vals, reason: str | None = None) -> list:
     """The exact fallback for any equation: for each input leaf, the dense Jacobians of the
-    linear inputs are pushed through the equation with `jax.vmap` over the leaf's basis,
-    which is exact because the equation is linear in its linear inputs.
+    linear inputs are pushed through the equation with `jax.vmap` over the leaf's basis
+    (`map_columns`), which is exact because the equation is linear in its linear inputs.
 
     **Arguments:** `ctx`, `eqn` (a `JaxprEqn`) and `vals` (its inputs, each a
     [`Lin`][diffrax_linearize.internal.Lin] or a constant), as a rule receives them, and

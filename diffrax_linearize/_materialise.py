@@ -255,9 +255,9 @@ def _custom_vjp_as_jvp(eqn, used=None):
             raise ValueError(
                 "diffrax_linearize: the function differentiates a `jax.custom_vjp` function "
                 "with respect to a value that function closes over, which its VJP rule does "
-                "not cover (`jax.jacrev` refuses it too). Pass that "
-                "value to the `custom_vjp` function as an argument, and give its "
-                "`fwd`/`bwd` rules its cotangent."
+                "not cover (`jax.jacrev` refuses it too). Pass that value to the "
+                "`custom_vjp` function as an argument, and give its `fwd`/`bwd` rules its "
+                "cotangent."
             )
         diff = [
             i
