@@ -1319,7 +1319,7 @@ def test_custom_vjp_with_constants():
         return odeint(lambda y, t, a: -a * y + jnp.sin(t) * y[::-1], y0, ts, a)
 
     y0, ts, a = _input((2,), jnp.float64), jnp.array([0.0, 0.5, 1.0]), jnp.array(2.0)
-    for argnums in (0, 1, 2, (0, 2)):
+    for argnums in (0, (1, 2)):
         expected = jax.jacrev(solve, argnums=argnums)(y0, ts, a)
         for mode in ("auto", "forward", "reverse"):
             out = dl.materialise(solve, y0, ts, a, argnums=argnums, mode=mode)
@@ -1329,16 +1329,22 @@ def test_custom_vjp_with_constants():
     # Times closed over: known at trace time, a NumPy array that the backward rule
     # indexed with a tracer (`TracerArrayConversionError`; JAX's test_closure_nondiff).
     closed = lambda y0: solve(y0, jnp.arange(4.0), a)  # noqa: E731
-    for mode in ("auto", "forward", "reverse"):
-        out = dl.materialise(closed, y0, mode=mode)
-        assert_tree_allclose(out, jax.jacrev(closed)(y0), rtol=1e-12, atol=1e-14)
+    out = dl.materialise(closed, y0, mode="forward")
+    assert_tree_allclose(out, jax.jacrev(closed)(y0), rtol=1e-12, atol=1e-14)
 
 
 # Standard promotion: `diffrax.BacksolveAdjoint`'s backward solve multiplies its
 # direction, an integer, by a float; its `custom_vjp` equation re-bound from our jaxpr
 # passes it as a strongly typed array, which strict promotion refuses.
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("adjoint", ["recursive_checkpoint", "diffrax_backsolve", "ours"])
+@pytest.mark.parametrize(
+    "adjoint",
+    [
+        "recursive_checkpoint",  # Diffrax's default
+        pytest.param("diffrax_backsolve", marks=pytest.mark.slow),
+        pytest.param("ours", marks=pytest.mark.slow),
+    ],
+)
 def test_through_diffeqsolve_adjoints(adjoint):
     # Diffrax's adjoints are `custom_vjp`s whose outputs include integers (the loop's step
     # counter, flags), and `diffrax.BacksolveAdjoint`'s has leading constants: every mode
@@ -1445,8 +1451,8 @@ def test_primitives_without_a_batching_rule():
         expected = jax.jacrev(fn)(x)
         for mode in ("auto", "forward", "reverse"):
             assert_tree_allclose(dl.materialise(fn, x, mode=mode), expected, rtol=1e-13)
-            jitted = jax.jit(lambda x: dl.materialise(fn, x, mode=mode))(x)
-            assert_tree_allclose(jitted, expected, rtol=1e-13)
+        jitted = jax.jit(lambda x: dl.materialise(fn, x))(x)
+        assert_tree_allclose(jitted, expected, rtol=1e-13)
 
 
 def _custom_vmap_sin():
