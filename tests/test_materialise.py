@@ -1307,6 +1307,14 @@ def test_custom_vjp_in_while_loop():
         assert_tree_allclose(out, jax.jacfwd(loop(lambda y: y**3))(x), rtol=1e-12)
 
 
+def _assert_every_mode(fn, x, expected, *, rtol):
+    """`materialise(fn, x)` is `expected` in every mode, and in the automatic one jitted."""
+    for mode in ("auto", "forward", "reverse"):
+        assert_tree_allclose(dl.materialise(fn, x, mode=mode), expected, rtol=rtol)
+    jitted = jax.jit(lambda x: dl.materialise(fn, x))(x)
+    assert_tree_allclose(jitted, expected, rtol=rtol)
+
+
 def test_custom_vjp_with_constants():
     # `odeint` is a `custom_vjp` whose equation takes its Runge-Kutta tableau as leading
     # constants (`num_consts`), which its VJP rule does not cover: differentiating them
@@ -1368,11 +1376,7 @@ def test_through_diffeqsolve_adjoints(adjoint):
         return sol.ys[-1]
 
     y0 = _input((3,), jnp.float64)
-    expected = jax.jacrev(solve)(y0)
-    for mode in ("auto", "forward", "reverse"):
-        assert_tree_allclose(dl.materialise(solve, y0, mode=mode), expected, rtol=1e-10)
-    jitted = jax.jit(lambda y: dl.materialise(solve, y))(y0)
-    assert_tree_allclose(jitted, expected, rtol=1e-10)
+    _assert_every_mode(solve, y0, jax.jacrev(solve)(y0), rtol=1e-10)
 
 
 def test_custom_vjp_closing_over_the_input():
@@ -1448,11 +1452,7 @@ def test_primitives_without_a_batching_rule():
         )
         cases.append((lambda A, to_bcoo=to_bcoo: 2 * to_bcoo(A).todense(), A))
     for fn, x in cases:
-        expected = jax.jacrev(fn)(x)
-        for mode in ("auto", "forward", "reverse"):
-            assert_tree_allclose(dl.materialise(fn, x, mode=mode), expected, rtol=1e-13)
-        jitted = jax.jit(lambda x: dl.materialise(fn, x))(x)
-        assert_tree_allclose(jitted, expected, rtol=1e-13)
+        _assert_every_mode(fn, x, jax.jacrev(fn)(x), rtol=1e-13)
 
 
 def _custom_vmap_sin():
