@@ -263,25 +263,35 @@ def _linear_vjp(fn, args, nums) -> bool:
     diff = [args[k] for k in nums]
     out, pullback = jax.vjp(flat, *diff)
     ones = jnp.ones_like(out)
+    pulled = pullback(ones)
     scaled = jax.tree.map(lambda v: v / 1024, pullback(1024 * ones))
-    if _equal_to_any(scaled, [pullback(ones)]) is not None:
+    if _equal_to_any(scaled, [pulled]) is not None:
         return False
     rows = _REAL["jacrev"](flat, argnums=tuple(range(len(diff))))(*diff)
     summed = jax.tree.map(lambda r: jnp.sum(r, axis=0), rows)
-    return _equal_to_any(pullback(ones), [summed]) is None
+    return _equal_to_any(pulled, [summed]) is None
+
+
+def _rows(jac, diff) -> list:
+    """The blocks of `jac` (a Jacobian as `jax.jacfwd` or `jax.jacrev` returns it with
+    respect to `diff`, a list of the differentiated arguments), output leaf by output
+    leaf, each a list over `diff`'s leaves."""
+    n = len(jax.tree.leaves(diff))
+    leaves = jax.tree.leaves(jac)
+    return [leaves[k : k + n] for k in range(0, len(leaves), n)] if n else []
 
 
 def _shaped_as_inputs(jac, args, nums) -> bool:
     """Whether every block of `jac` (as `jax.jacrev` returns it) ends in its input's
     shape."""
-    shapes = [np.shape(x) for x in jax.tree.leaves([args[k] for k in nums])]
-    leaves = jax.tree.leaves(jac)
-    if not shapes or len(leaves) % len(shapes):
+    diff = [args[k] for k in nums]
+    shapes = [np.shape(x) for x in jax.tree.leaves(diff)]
+    if not shapes or len(jax.tree.leaves(jac)) % len(shapes):
         return not shapes
     return all(
         tuple(np.shape(b)[len(np.shape(b)) - len(s) :]) == tuple(s)
-        for k, b in enumerate(leaves)
-        for s in [shapes[k % len(shapes)]]
+        for row in _rows(jac, diff)
+        for b, s in zip(row, shapes)
     )
 
 
@@ -294,9 +304,7 @@ def _consistent_batching(fn, args, nums, forward) -> bool:
     ins = [np.size(x) for x in jax.tree.leaves(diff)]
     ones = jax.tree.map(jnp.ones_like, diff)
     _, tangent = _REAL["jvp"](lambda *d: fn(*_merge(args, nums, d)), diff, ones)
-    leaves = jax.tree.leaves(forward)
-    blocks = [leaves[k : k + len(ins)] for k in range(0, len(leaves), len(ins))]
-    for out, row in zip(jax.tree.leaves(tangent), blocks):
+    for out, row in zip(jax.tree.leaves(tangent), _rows(forward, diff)):
         pushed = sum(jnp.reshape(b, (np.size(out), i)).sum(axis=1) for b, i in zip(row, ins))
         if _equal_to_any(pushed, [jnp.ravel(out)]) is not None:
             return False
@@ -386,7 +394,7 @@ def _compare(fn, args, argnums, nums) -> dict:
             return {"status": reason, "detail": why}
         return {"status": "defect", "detail": f"ours raise: {why}\n{traceback.format_exc()[-800:]}"}
     try:
-        backward = _REAL["jacrev"](fn, argnums=argnums)(*args)
+        backward = forward if only_reverse else _REAL["jacrev"](fn, argnums=argnums)(*args)
     except Exception:
         backward = forward
     wrong = {}
@@ -415,8 +423,7 @@ def _flat(jac, args, argnums):
     """`jac`, a Jacobian as `jax.jacfwd` returns it for one argument, as a matrix: the
     output's leaves flattened and joined by the argument's (lineax's order)."""
     ins = [np.size(x) for x in jax.tree.leaves(args[argnums])]
-    leaves = jax.tree.leaves(jac)  # output leaf by output leaf, each by the inputs'
-    blocks = [leaves[k : k + len(ins)] for k in range(0, len(leaves), len(ins))]
+    blocks = _rows(jac, [args[argnums]])
     outs = [next((np.size(b) // i for b, i in zip(row, ins) if i), 0) for row in blocks]
     rows = [[jnp.reshape(b, (o, i)) for b, i in zip(row, ins)] for row, o in zip(blocks, outs)]
     return jnp.block(rows) if rows and ins else jnp.zeros((sum(outs), sum(ins)))
